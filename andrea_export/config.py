@@ -1,0 +1,89 @@
+"""Model configurations: a frozen dataclass, the named presets, and JSON files a user can copy and edit.
+
+The presets live here (so an installed wheel has them) and in `models/*.json` (so a user can read and
+copy them); a test keeps the two identical.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from .errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The shape of an ANDREA/GPT-2-family decoder. See ../shared/spec/ANDREA-120M.md."""
+
+    name: str = "andrea-120m"
+    vocab_size: int = 8449
+    n_embd: int = 768  # d_model
+    n_layer: int = 12
+    n_head: int = 12
+    n_positions: int = 1024  # maximum context
+    layer_norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for f in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"model config '{self.name}': field '{f}' must be a positive integer, got {v!r}")
+        if not isinstance(self.layer_norm_eps, (int, float)) or not 0 < self.layer_norm_eps < 1:
+            raise ConfigError(
+                f"model config '{self.name}': field 'layer_norm_eps' must be a number in (0, 1), got {self.layer_norm_eps!r}"
+            )
+        if self.n_embd % self.n_head:
+            raise ConfigError(
+                f"model config '{self.name}': field 'n_head' ({self.n_head}) must divide 'n_embd' ({self.n_embd})"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def n_params(self) -> int:
+        """Parameter count with the tied embedding counted once."""
+        d, v, L = self.n_embd, self.vocab_size, self.n_layer
+        block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d)
+        return v * d + self.n_positions * d + L * block + 2 * d
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "config") -> "ModelConfig":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{source}: unknown field(s) {', '.join(unknown)}; known fields: {', '.join(sorted(known))}")
+        try:
+            return cls(**data)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from None
+
+
+ANDREA_120M = ModelConfig()
+ANDREA_TINY = ModelConfig(name="andrea-tiny", vocab_size=8449, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+PRESETS = {c.name: c for c in (ANDREA_120M, ANDREA_TINY)}
+
+
+def load_config(name_or_path: str | Path) -> ModelConfig:
+    """A preset by name (`andrea-120m`, `andrea-tiny`) or a JSON file with ModelConfig's fields."""
+    if isinstance(name_or_path, ModelConfig):
+        return name_or_path
+    key = str(name_or_path)
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(key)
+    if not path.is_file():
+        raise ConfigError(f"no model config '{key}': not a preset ({', '.join(PRESETS)}) and not a file")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return ModelConfig.from_dict(data, source=str(path))

@@ -1,0 +1,124 @@
+"""PyTorch -> ONNX: token ids [batch, seq] (int64) -> logits [batch, seq, vocab] (float32).
+
+Opset 20, so each tanh-GELU is ONE `Gelu(approximate="tanh")` node (the graph pass and TensorRT's
+native kGELU_TANH both key on it). The tied embedding stays one initializer, read by the token Gather
+and, transposed, by the output projection. The model config travels in the ONNX metadata
+(`andrea.config`), so later stages need only the file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import onnx
+import torch
+
+from .artifacts import staging
+from .config import ModelConfig
+from .errors import ExportError
+from .model import Andrea
+from .progress import step
+
+OPSET = 20
+INPUT_NAME = "input_ids"  # int64 [batch, seq]
+OUTPUT_NAME = "logits"  # float32 [batch, seq, vocab]
+CONFIG_KEY = "andrea.config"
+EXTERNAL_DATA_ABOVE = 1 << 30  # bytes of weights; above this the weights go to <name>.onnx.data
+
+
+def export_onnx(
+    model: Andrea,
+    out: str | Path,
+    *,
+    opset: int = OPSET,
+    external_data: bool | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Export `model` to `out` (a .onnx path) and check the result.
+
+    Args:
+        model: the reference model (float32, any device; exported on the CPU).
+        out: where to write. Written in a temporary folder and moved in when complete.
+        opset: ONNX opset; at least 20 (tanh `Gelu`).
+        external_data: store weights in `<out>.data`. Default: only when the weights exceed 1 GiB
+            (ANDREA-120M's 369 MB fit in one file, which every consumer reads without extra steps).
+    Returns:
+        The path written.
+    """
+    if opset < 20:
+        raise ExportError(f"opset {opset} is too old: tanh-GELU is one ONNX Gelu node only from opset 20")
+    out = Path(out)
+    cfg = model.cfg
+    model = model.float().cpu().eval()
+    if external_data is None:
+        external_data = sum(p.numel() * 4 for p in model.parameters()) > EXTERNAL_DATA_ABOVE
+    example = torch.zeros(2, min(8, cfg.n_positions), dtype=torch.long)
+    dynamic = {"idx": {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seq", max=cfg.n_positions)}}
+    with step(f"Exporting {cfg.name} to ONNX (opset {opset})", quiet), _quiet_exporter():
+        program = torch.onnx.export(
+            model, (example,), dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME], dynamic_shapes=dynamic, optimize=True, verbose=False,
+        )
+        program.model.metadata_props[CONFIG_KEY] = json.dumps(cfg.to_dict(), sort_keys=True)
+        program.model.producer_name = "andrea-export"
+    with step(f"Writing and checking {out.name}", quiet), staging(out.parent) as tmp:
+        program.save(tmp / out.name, external_data=external_data)
+        check_onnx(tmp / out.name)
+    return out
+
+
+def check_onnx(path: str | Path) -> onnx.ModelProto:
+    """Full onnx.checker check and strict shape inference of a file; returns the model (weights not loaded)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ExportError(f"{path}: no such ONNX file")
+    try:
+        onnx.checker.check_model(str(path), full_check=True)
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        raise ExportError(f"{path}: not a valid ONNX model: {str(e).splitlines()[0]}") from None
+    except Exception as e:  # a protobuf parse error has no public type
+        raise ExportError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
+    return onnx.load(str(path), load_external_data=False)
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """The ModelConfig an andrea-export ONNX file was exported from (its `andrea.config` metadata)."""
+    model = check_onnx(path)
+    meta = {p.key: p.value for p in model.metadata_props}
+    if CONFIG_KEY not in meta:
+        raise ExportError(
+            f"{path}: has no '{CONFIG_KEY}' metadata: not exported by andrea-export, so its model config is unknown"
+        )
+    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
+
+
+def op_counts(model: onnx.ModelProto) -> Counter:
+    """Node counts by op type; `Gelu(tanh)` and `Gelu(none)` are counted apart."""
+    counts = Counter()
+    for n in model.graph.node:
+        if n.op_type == "Gelu":
+            approx = next((a.s.decode() for a in n.attribute if a.name == "approximate"), "none")
+            counts[f"Gelu({approx})"] += 1
+        else:
+            counts[n.op_type] += 1
+    return counts
+
+
+class _quiet_exporter:
+    """The dynamo exporter warns about torchvision and deprecations that say nothing about our model."""
+
+    def __enter__(self):
+        self._warnings = warnings.catch_warnings()
+        self._warnings.__enter__()
+        warnings.simplefilter("ignore")
+        self._logger = logging.getLogger("torch.onnx")
+        self._level = self._logger.level
+        self._logger.setLevel(logging.ERROR)
+
+    def __exit__(self, *exc):
+        self._logger.setLevel(self._level)
+        self._warnings.__exit__(*exc)

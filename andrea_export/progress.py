@@ -1,0 +1,26 @@
+"""Progress and messages on stderr (stdout stays clean for results), through rich."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+from rich.console import Console
+
+console = Console(stderr=True, highlight=False)
+
+
+@contextlib.contextmanager
+def step(message: str, quiet: bool = False):
+    """A spinner while a long step runs, then one line with its duration."""
+    if quiet:
+        yield
+        return
+    t0 = time.perf_counter()
+    with console.status(message + " ..."):
+        yield
+    console.print(f"[green]done[/] {message} ({time.perf_counter() - t0:.1f} s)")
+
+
+def warn(message: str) -> None:
+    console.print(f"[bold yellow]WARNING:[/] {message}")
