@@ -27,6 +27,7 @@ OPSET = 20
 INPUT_NAME = "input_ids"  # int64 [batch, seq]
 OUTPUT_NAME = "logits"  # float32 [batch, seq, vocab]
 CONFIG_KEY = "andrea.config"
+WEIGHTS_KEY = "andrea.weights"  # where the weights came from: a checkpoint (sha256) or a seeded random init
 EXTERNAL_DATA_ABOVE = 1 << 30  # bytes of weights; above this the weights go to <name>.onnx.data
 
 
@@ -64,6 +65,7 @@ def export_onnx(
             output_names=[OUTPUT_NAME], dynamic_shapes=dynamic, optimize=True, verbose=False,
         )
         program.model.metadata_props[CONFIG_KEY] = json.dumps(cfg.to_dict(), sort_keys=True)
+        program.model.metadata_props[WEIGHTS_KEY] = json.dumps(getattr(model, "weights_source", {}), sort_keys=True)
         program.model.producer_name = "andrea-export"
     with step(f"Writing and checking {out.name}", quiet), staging(out.parent) as tmp:
         program.save(tmp / out.name, external_data=external_data)
@@ -85,10 +87,14 @@ def check_onnx(path: str | Path) -> onnx.ModelProto:
     return onnx.load(str(path), load_external_data=False)
 
 
+def read_metadata(path: str | Path) -> dict[str, str]:
+    """The metadata_props of an ONNX file, checked to be a valid model first."""
+    return {p.key: p.value for p in check_onnx(path).metadata_props}
+
+
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig an andrea-export ONNX file was exported from (its `andrea.config` metadata)."""
-    model = check_onnx(path)
-    meta = {p.key: p.value for p in model.metadata_props}
+    meta = read_metadata(path)
     if CONFIG_KEY not in meta:
         raise ExportError(
             f"{path}: has no '{CONFIG_KEY}' metadata: not exported by andrea-export, so its model config is unknown"

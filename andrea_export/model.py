@@ -33,10 +33,12 @@ class CausalSelfAttention(nn.Module):
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B,H,T,S)
         # Causal: query i (absolute position P+i) sees keys j <= P+i. Built from positions, not a
         # stored triangle, so the same code serves any past length.
-        q_pos = torch.arange(T, device=x.device) + (S - T)
-        allowed = torch.arange(S, device=x.device)[None, :] <= q_pos[:, None]  # (T,S)
-        if key_mask is not None:  # (B,S) 1 for real tokens, 0 for padding
-            allowed = allowed[None, None] & key_mask[:, None, None, :].bool()
+        q_pos = torch.arange(T, device=x.device)[:, None] + (S - T)
+        k_pos = torch.arange(S, device=x.device)[None, :]
+        allowed = k_pos <= q_pos  # (T,S)
+        if key_mask is not None:  # (B,S) 1 for real tokens, 0 for padding. A padding query still sees
+            # itself, so no softmax row is all -inf (its NaN would leak through 0 * NaN in att @ v).
+            allowed = allowed & (key_mask[:, None, None, :].bool() | (k_pos == q_pos))
         att = att.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         y = (att @ v).transpose(1, 2).reshape(B, T, C)
         return self.c_proj(y), k, v
@@ -74,6 +76,7 @@ class Andrea(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
+        self.weights_source: dict = {"kind": "unknown"}  # set by checkpoint.py; recorded in artifacts
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.n_positions, cfg.n_embd)
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))

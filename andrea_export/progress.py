@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
 
 from rich.console import Console
 
-console = Console(stderr=True, highlight=False)
+# Piped or in CI, rich would assume 80 columns and squeeze tables; give it room instead.
+console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 140)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,30 @@
+# Two commands do everything on a fresh machine (see README):
+#   make build   set up .venv and run `andrea-export build` on its embedded default (ANDREA-120M)
+#   make test    set up .venv and run the test suite
+# Set-up is idempotent: it reinstalls only when pyproject.toml changed.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch 2.13.0 CPU lies on these machines' disk (/opt/wheels); elsewhere pip takes it from PyPI.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: build test setup clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(FIND_LINKS) "torch==2.13.0"
+	$(BIN)/pip install -q $(FIND_LINKS) -e ".[rtx,dev]"
+	touch $@
+
+setup: $(BIN)/.installed
+
+build: setup
+	$(BIN)/andrea-export build $(ARGS)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) out

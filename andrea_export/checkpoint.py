@@ -1,0 +1,188 @@
+"""Checkpoints: load weights into the reference model, save them, or make seeded random ones.
+
+Two layouts are read:
+  * the project's own: the model's state_dict names (`wte.weight`, `h.0.attn.c_attn.weight`, ...),
+    `nn.Linear` weights as [out, in]; written by `save_checkpoint` with the config in the metadata.
+  * GPT-2 (Hugging Face): the same names, optionally under `transformer.`, but the four projections are
+    `Conv1D` weights stored transposed ([in, out]); `lm_head.weight`, if present, must equal `wte`.
+The layout is told by the fused QKV weight: [3C, C] is ours, [C, 3C] is Conv1D (C != 3C, so never ambiguous).
+
+Files are never unpickled: `.safetensors` is read with safetensors; `.pt/.bin` only with
+`torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+
+from .artifacts import atomic_path, sha256_file
+from .config import ModelConfig
+from .errors import CheckpointError, ConfigError
+from .model import Andrea
+from .progress import warn
+
+CONFIG_KEY = "andrea.config"
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+HF_IGNORED = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # causal-mask buffers in old GPT-2 files
+GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # every GPT-2 size: head_dim 64
+
+
+def random_init(cfg: ModelConfig, seed: int = 0, announce: bool = True) -> Andrea:
+    """GPT-2-style initialisation (normal std 0.02, residual projections scaled by 1/sqrt(2*n_layer)),
+    seeded. Announced on stderr so nobody mistakes the result for trained weights."""
+    if announce:
+        warn(f"no checkpoint given: using RANDOM weights (seed {seed}) for {cfg.name}; outputs are meaningless text")
+    gen = torch.Generator().manual_seed(seed)
+    model = Andrea(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name == "ln_f.weight":
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    model.weights_source = {"kind": "random-init", "seed": seed}
+    return model.eval()
+
+
+def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> Andrea:
+    """Load a checkpoint into a new reference model (float32, eval mode).
+
+    Args:
+        path: a `.safetensors` file (project or GPT-2 layout), or `.pt/.bin` (read with weights_only=True).
+        config: the expected config. Without it the config is read from the file's metadata or inferred
+            from the tensor shapes (vocab, width, depth, context; heads when unambiguous).
+    """
+    path = Path(path)
+    tensors, meta = _read_tensors(path)
+    tensors = _to_project_layout(tensors, path)
+    cfg = config or _config_from(tensors, meta, path)
+    model = Andrea(cfg)
+    _check_against(model, tensors, path)
+    model.load_state_dict(tensors, strict=True)
+    model.weights_source = {"kind": "checkpoint", "sha256": sha256_file(path)}  # no path: same file, same ONNX bytes
+    return model.eval()
+
+
+def save_checkpoint(model: Andrea, path: str | Path) -> Path:
+    """Write the project layout (safetensors, config in the metadata), atomically."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    state = {k: v.detach().float().contiguous().cpu() for k, v in model.state_dict().items()}
+    with atomic_path(path) as tmp:
+        save_file(state, str(tmp), metadata={CONFIG_KEY: json.dumps(model.cfg.to_dict(), sort_keys=True)})
+    return path
+
+
+def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    if path.suffix in (".pt", ".pth", ".bin"):
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # UnpicklingError for pickled code, RuntimeError for corrupt zips
+            raise CheckpointError(
+                f"{path}: cannot be read as a plain tensor state dict with torch.load(weights_only=True) "
+                f"({type(e).__name__}: {str(e).splitlines()[0]}); convert it to .safetensors"
+            ) from None
+        for key in ("state_dict", "model"):  # common training-script wrappers
+            if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+                obj = obj[key]
+        if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+            raise CheckpointError(f"{path}: expected a dict of tensors (a state dict), got {type(obj).__name__}")
+        return dict(obj), {}
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            return {k: f.get_tensor(k) for k in f.keys()}, meta
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(
+            f"{path}: not a readable .safetensors file (truncated or another format?): {e}"
+        ) from None
+
+
+def _to_project_layout(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in tensors.items():
+        k = k.removeprefix("transformer.")
+        if HF_IGNORED.match(k):
+            continue
+        out[k] = v
+    head = out.pop("lm_head.weight", None)
+    qkv = out.get("h.0.attn.c_attn.weight")
+    if qkv is not None and qkv.ndim == 2 and qkv.shape[1] == 3 * qkv.shape[0]:  # GPT-2 Conv1D: [in, out]
+        for k in list(out):
+            if k.endswith(CONV1D):
+                out[k] = out[k].t().contiguous()
+    if head is not None and "wte.weight" in out and not torch.equal(head, out["wte.weight"]):
+        raise CheckpointError(
+            f"{path}: tensor 'lm_head.weight' differs from 'wte.weight'; ANDREA ties the output projection "
+            "to the token embedding, so an untied head cannot be represented"
+        )
+    for k, v in out.items():
+        if not v.is_floating_point():
+            raise CheckpointError(f"{path}: tensor '{k}' has dtype {v.dtype}; weights must be floating point")
+        if not torch.isfinite(v).all():
+            bad = (~torch.isfinite(v)).sum().item()
+            raise CheckpointError(f"{path}: tensor '{k}' contains {bad} NaN/Inf value(s)")
+        out[k] = v.float()
+    return out
+
+
+def _config_from(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> ModelConfig:
+    if CONFIG_KEY in meta:
+        try:
+            return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
+        except (ConfigError, json.JSONDecodeError) as e:
+            raise CheckpointError(f"{path}: bad '{CONFIG_KEY}' metadata: {e}") from None
+    for k in ("wte.weight", "wpe.weight", "h.0.attn.c_attn.weight"):
+        if k not in tensors:
+            raise CheckpointError(f"{path}: missing tensor '{k}', so the model shape cannot be inferred")
+    vocab, n_embd = tensors["wte.weight"].shape
+    n_layer = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"h\.(\d+)\.", k)))
+    if n_embd not in GPT2_HEADS:
+        raise CheckpointError(
+            f"{path}: the number of attention heads cannot be inferred from tensor shapes (width {n_embd} is not "
+            "a GPT-2 size); pass a config file with 'n_head' (--config)"
+        )
+    return ModelConfig(
+        name=path.stem, vocab_size=vocab, n_embd=n_embd, n_layer=n_layer, n_head=GPT2_HEADS[n_embd],
+        n_positions=tensors["wpe.weight"].shape[0],
+    )
+
+
+def _check_against(model: Andrea, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in tensors]
+    unexpected = [k for k in tensors if k not in expected]
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing tensor(s): {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+        if unexpected:
+            parts.append(f"unexpected tensor(s): {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
+        raise CheckpointError(f"{path}: does not fit {model.cfg.name}: " + "; ".join(parts))
+    for k, v in expected.items():
+        if tuple(tensors[k].shape) != tuple(v.shape):
+            raise CheckpointError(
+                f"{path}: tensor '{k}' has shape {list(tensors[k].shape)}, expected {list(v.shape)} for {model.cfg.name}"
+            )
+
+
+def load_model(checkpoint: str | Path | None = None, config: ModelConfig | None = None, seed: int = 0) -> Andrea:
+    """The model a pipeline starts from: a checkpoint, or (announced) seeded random weights."""
+    from .config import ANDREA_120M
+
+    if checkpoint is None:
+        return random_init(config or ANDREA_120M, seed=seed)
+    return load_checkpoint(checkpoint, config)

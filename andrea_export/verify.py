@@ -1,0 +1,257 @@
+"""Verification: Polygraphy runs the PyTorch reference and each artifact on the same token ids and
+judges them with its comparator and explicit tolerances; we add the figures that matter for a language
+model (top-1 / top-5 agreement, KL divergence of the next-token distributions, greedy agreement).
+
+The PyTorch model is always the reference (runner 0): a plugin graph or an engine is never judged
+against another artifact that could share its bug.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import torch
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+from .artifacts import write_text_atomic
+from .export import INPUT_NAME, OUTPUT_NAME
+from .model import Andrea
+from .progress import console, step
+
+# Per-precision tolerances on the logits. An element fails only if BOTH its absolute and relative
+# error exceed these (Polygraphy's rule; relative error is taken against the reference).
+# fp32: ORT vs PyTorch measured max abs error ~2e-5 on ANDREA-120M at 1024 tokens (logits ~|5|).
+TOLERANCES = {"fp32": {"rtol": 1e-4, "atol": 1e-4}}
+# LM-level thresholds: what a deployment cares about. Top-1 agreement is the fraction of positions whose
+# argmax token is the same; KL is max over positions of KL(reference || artifact) in nats.
+LM_THRESHOLDS = {"fp32": {"min_top1": 0.999, "max_kl": 1e-4}}
+
+
+class TorchRunner(BaseRunner):
+    """A Polygraphy runner for the PyTorch reference (Polygraphy's own PytRunner wants CUDA and a tuple)."""
+
+    def __init__(self, model: Andrea, name: str = "pytorch"):
+        super().__init__(name=name)
+        self.model = model.eval()
+
+    def activate_impl(self):
+        pass
+
+    def deactivate_impl(self):
+        pass
+
+    def get_input_metadata_impl(self):
+        return TensorMetadata().add(INPUT_NAME, np.int64, (None, None))
+
+    def infer_impl(self, feed_dict):
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.model(torch.from_numpy(np.asarray(feed_dict[INPUT_NAME])))
+        self.inference_time = time.perf_counter() - t0
+        return OrderedDict([(OUTPUT_NAME, logits.float().numpy())])
+
+
+def onnxrt_runner(onnx_path: str | Path, name: str | None = None, threads: int | None = None):
+    """Polygraphy's ONNX Runtime runner on the CPU (the CUDA provider when onnxruntime-gpu has it)."""
+    import onnxruntime as ort
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+
+    providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
+    return OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers), name=name or f"onnxrt:{Path(onnx_path).name}")
+
+
+def default_shapes(n_positions: int) -> list[tuple[int, int]]:
+    """Batch x sequence shapes verified by default: one token, a short prompt, batch > 1, the full context."""
+    shapes = [(1, 1), (1, min(17, n_positions)), (4, min(64, n_positions)), (2, n_positions)]
+    return list(dict.fromkeys(shapes))
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    passed: bool
+    precision: str
+    tolerances: dict
+    lm_thresholds: dict
+    shapes: list
+    comparisons: list  # one dict per (reference, artifact) pair
+    skipped: list  # artifacts that could not run here, with the reason
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: str | Path) -> Path:
+        return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def lm_metrics(ref: np.ndarray, out: np.ndarray) -> dict:
+    """Top-1 / top-5 agreement and KL(ref || out) of next-token distributions over all positions."""
+    ref = torch.from_numpy(ref.astype(np.float64)).flatten(0, -2)
+    out = torch.from_numpy(out.astype(np.float64)).flatten(0, -2)
+    top1 = (ref.argmax(-1) == out.argmax(-1)).double().mean().item()
+    r5, o5 = ref.topk(5, dim=-1).indices, out.topk(5, dim=-1).indices
+    top5 = ((r5[:, :, None] == o5[:, None, :]).any(-1).double().mean()).item()  # share of the top-5 sets
+    lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
+    kl = (lp.exp() * (lp - lq)).sum(-1)
+    return {"top1_agreement": top1, "top5_overlap": top5, "max_kl": kl.max().item(), "mean_kl": kl.mean().item()}
+
+
+def greedy_agreement(runners, prompt: np.ndarray, steps: int) -> dict:
+    """Greedy-decode `steps` tokens from `prompt` with each runner (full recompute each step, no cache);
+    report where the artifacts first leave the reference."""
+    seqs = []
+    for r in runners:
+        ids = prompt.copy()
+        for _ in range(steps):
+            logits = r.infer({INPUT_NAME: ids})[OUTPUT_NAME]
+            ids = np.concatenate([ids, logits[:, -1:].argmax(-1).astype(np.int64)], axis=1)
+        seqs.append(ids[0, prompt.shape[1]:].tolist())
+    ref = seqs[0]
+    result = {}
+    for r, seq in zip(runners[1:], seqs[1:]):
+        first = next((i for i, (a, b) in enumerate(zip(ref, seq)) if a != b), None)
+        result[r.name] = {"steps": steps, "agree": first is None, "first_divergence": first}
+    return result
+
+
+def verify(
+    model: Andrea,
+    artifacts: dict[str, object],
+    *,
+    precision: str = "fp32",
+    shapes: list[tuple[int, int]] | None = None,
+    greedy_steps: int = 32,
+    seed: int = 0,
+    skipped: list | None = None,
+    quiet: bool = False,
+) -> VerifyReport:
+    """Compare each artifact runner with the PyTorch reference.
+
+    Args:
+        model: the reference model.
+        artifacts: name -> Polygraphy runner, or a path to an ONNX file (run with ONNX Runtime).
+        precision: selects the tolerances (TOLERANCES, LM_THRESHOLDS).
+        shapes: (batch, seq) pairs; default `default_shapes(context)`.
+        greedy_steps: greedy tokens decoded per artifact (0 to skip).
+        skipped: artifacts that cannot run here, as {"artifact", "reason"} dicts, carried into the report.
+    """
+    from polygraphy.comparator import Comparator, SimpleCompareFunc
+    from polygraphy.logger import G_LOGGER
+
+    cfg = model.cfg
+    shapes = shapes or default_shapes(cfg.n_positions)
+    for b, t in shapes:
+        if not 1 <= t <= cfg.n_positions or b < 1:
+            raise ValueError(f"shape ({b}, {t}) is outside the model: batch >= 1, 1 <= seq <= {cfg.n_positions}")
+    tol, lm_tol = TOLERANCES[precision], LM_THRESHOLDS[precision]
+    runners = [TorchRunner(model)]
+    for name, a in artifacts.items():
+        runners.append(onnxrt_runner(a, name=name) if isinstance(a, (str, Path)) else a)
+    rng = np.random.default_rng(seed)
+    feeds = [{INPUT_NAME: rng.integers(0, cfg.vocab_size, size=s, dtype=np.int64)} for s in shapes]
+
+    severity = G_LOGGER.module_severity
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # our own summary replaces Polygraphy's per-output log
+    try:
+        with step(f"Running {', '.join(r.name for r in runners)} on {len(shapes)} input shapes", quiet):
+            results = Comparator.run(runners, data_loader=feeds)
+        compare = SimpleCompareFunc(rtol=tol["rtol"], atol=tol["atol"], check_error_stat="elemwise")
+        pairs = [(0, i) for i in range(1, len(runners))]
+        accuracy = Comparator.compare_accuracy(results, comparisons=pairs, compare_func=compare)[0]
+        greedy = {}
+        if greedy_steps:
+            with step(f"Greedy decoding {greedy_steps} tokens with each runner", quiet):
+                for r in runners:
+                    r.activate()
+                try:
+                    prompt = rng.integers(0, cfg.vocab_size, size=(1, min(8, cfg.n_positions - greedy_steps)))
+                    greedy = greedy_agreement(runners, prompt.astype(np.int64), greedy_steps)
+                finally:
+                    for r in runners:
+                        r.deactivate()
+    finally:
+        G_LOGGER.module_severity = severity
+
+    comparisons = []
+    ref_name = runners[0].name
+    for _, i in pairs:
+        name = runners[i].name
+        per_shape = []
+        for it, shape in enumerate(shapes):
+            ocr = accuracy[(ref_name, name)][it][OUTPUT_NAME]
+            lm = lm_metrics(results[ref_name][it][OUTPUT_NAME], results[name][it][OUTPUT_NAME])
+            lm_ok = lm["top1_agreement"] >= lm_tol["min_top1"] and lm["max_kl"] <= lm_tol["max_kl"]
+            per_shape.append({
+                "shape": list(shape), "passed": bool(ocr) and lm_ok, "logits_within_tolerance": bool(ocr),
+                "max_abs": float(ocr.max_absdiff), "mean_abs": float(ocr.mean_absdiff),
+                "median_abs": float(ocr.median_absdiff), "max_rel": float(ocr.max_reldiff),
+                "mean_rel": float(ocr.mean_reldiff), "median_rel": float(ocr.median_reldiff), **lm,
+            })
+        g = greedy.get(name)
+        passed = all(s["passed"] for s in per_shape) and (g is None or g["agree"] or precision != "fp32")
+        comparisons.append({"reference": ref_name, "artifact": name, "passed": passed, "shapes": per_shape,
+                            "greedy": g})
+    report = VerifyReport(
+        passed=all(c["passed"] for c in comparisons), precision=precision, tolerances=tol, lm_thresholds=lm_tol,
+        shapes=[list(s) for s in shapes], comparisons=comparisons, skipped=list(skipped or []),
+    )
+    return report
+
+
+def print_summary(report: VerifyReport) -> None:
+    """A short human summary of a report (rich table on stderr)."""
+    from rich.table import Table
+
+    t = Table(title=f"Verification against PyTorch ({report.precision}; rtol {report.tolerances['rtol']:g}, "
+                    f"atol {report.tolerances['atol']:g})")
+    for col in ("artifact", "batch x seq", "max abs", "mean abs", "max rel*", "top-1", "top-5", "max KL", "ok"):
+        t.add_column(col, justify="right" if col not in ("artifact",) else "left")
+    for c in report.comparisons:
+        for s in c["shapes"]:
+            t.add_row(c["artifact"], "x".join(map(str, s["shape"])), f"{s['max_abs']:.2e}", f"{s['mean_abs']:.2e}",
+                      f"{s['max_rel']:.1e}", f"{s['top1_agreement']:.4f}", f"{s['top5_overlap']:.4f}",
+                      f"{s['max_kl']:.1e}", "[green]yes[/]" if s["passed"] else "[bold red]NO[/]")
+    console.print(t)
+    console.print("* relative error is against the reference and explodes near zero; an element fails only when "
+                  "both its absolute and relative error exceed the tolerances.")
+    for c in report.comparisons:
+        g = c["greedy"]
+        if g:
+            where = "all tokens agree" if g["agree"] else f"first divergence at token {g['first_divergence']}"
+            console.print(f"greedy {g['steps']} tokens, {c['artifact']}: {where}")
+    for s in report.skipped:
+        console.print(f"[yellow]not run here[/] {s['artifact']}: {s['reason']}")
+    verdict = "[bold green]PASSED[/]" if report.passed else "[bold red]FAILED[/]"
+    console.print(f"Verification {verdict}")
+
+
+def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = None, config=None) -> Andrea:
+    """The PyTorch model an ONNX file must match: the given checkpoint, or the seeded random init that the
+    file's metadata records. Refuses to guess when the file came from a checkpoint that is not given."""
+    from .checkpoint import load_checkpoint, random_init
+    from .errors import VerificationError
+    from .export import CONFIG_KEY, WEIGHTS_KEY, read_config, read_metadata
+
+    meta = read_metadata(onnx_path)
+    source = json.loads(meta.get(WEIGHTS_KEY, "{}"))
+    cfg = config or (read_config(onnx_path) if CONFIG_KEY in meta else None)
+    if checkpoint is not None:
+        model = load_checkpoint(checkpoint, cfg)
+        if source.get("sha256") not in (None, model.weights_source["sha256"]):
+            raise VerificationError(
+                f"{onnx_path} was exported from a checkpoint with sha256 {source['sha256'][:12]}..., "
+                f"not from {checkpoint} ({model.weights_source['sha256'][:12]}...)"
+            )
+        return model
+    if source.get("kind") == "random-init" and cfg is not None:
+        return random_init(cfg, seed=source["seed"])
+    raise VerificationError(
+        f"{onnx_path}: its weights came from a checkpoint; pass that checkpoint (--checkpoint) to verify against it"
+        if source.get("kind") == "checkpoint"
+        else f"{onnx_path}: records no weight source (not exported by andrea-export); pass --checkpoint and --config"
+    )

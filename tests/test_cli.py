@@ -1,0 +1,38 @@
+import json
+
+from click.testing import CliRunner
+
+from andrea_export.cli import main
+
+
+def test_help_teaches():
+    result = CliRunner().invoke(main, ["--help"])
+    assert result.exit_code == 0
+    for command in ("export", "verify"):
+        assert command in result.output
+
+
+def test_export_then_verify(tmp_path):
+    runner = CliRunner()
+    out = tmp_path / "m.onnx"
+    result = runner.invoke(main, ["export", "--config", "andrea-tiny", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "2 tanh-GELU, 649,024 parameters" in result.output
+    result = runner.invoke(main, ["verify", str(out), "--shapes", "1x2,2x16", "--greedy-steps", "4"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((tmp_path / "m.onnx.verify.json").read_text())
+    assert report["passed"] and report["shapes"] == [[1, 2], [2, 16]]
+
+
+def test_bad_input_is_one_line_and_exit_1(tmp_path):
+    result = CliRunner().invoke(main, ["export", "--config", "nope", "--out", str(tmp_path / "m.onnx")])
+    assert result.exit_code == 1
+    assert "error: no model config 'nope'" in result.output
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "absent.onnx")])
+    assert result.exit_code == 1 and "no such ONNX file" in result.output
+
+
+def test_bad_shapes_option(tmp_path):
+    result = CliRunner().invoke(main, ["verify", "x.onnx", "--shapes", "1by2"])
+    assert result.exit_code == 2 and "expected BATCHxSEQ" in result.output
