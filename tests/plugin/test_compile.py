@@ -1,0 +1,168 @@
+"""NVRTC compile of the tanh-GELU kernel, and what ptxas makes of it (SASS read with cuobjdump).
+
+Needs the pinned NVRTC wheel (nvidia-cuda-nvrtc==13.0.88); the SASS checks need ptxas (CUDA toolkit or
+nvidia-cuda-nvcc wheel) and cuobjdump (nvidia-cuda-cuobjdump wheel) and are skipped, with the reason,
+without them."""
+
+import glob
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from andrea_export.errors import MissingDependency, PluginError
+from andrea_export.plugin.compile import (
+    ENTRY_POINTS,
+    TARGET_ARCHS,
+    best_arch,
+    compile_all,
+    compile_ptx,
+    driver_floor,
+    grid_size,
+    load_nvrtc,
+)
+
+
+def _tool(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    spec = importlib.util.find_spec("nvidia")
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        hits = sorted(glob.glob(os.path.join(root, "*", "bin", name)))
+        if hits:
+            return hits[0]
+    return None
+
+
+@pytest.fixture(scope="module")
+def ptx_by_arch(tmp_path_factory):
+    return compile_all(cache_dir=tmp_path_factory.mktemp("ptx"))
+
+
+def test_ptx_for_every_target(ptx_by_arch):
+    assert list(ptx_by_arch) == list(TARGET_ARCHS)
+    for arch, k in ptx_by_arch.items():
+        assert k.arch == arch
+        assert re.search(rf"^\.target {arch}$", k.ptx, re.M)
+        assert k.ptx_isa == "9.0"  # the pinned NVRTC 13.0.88
+        assert k.driver_floor == "R580 (CUDA 13.0) or newer"
+        assert k.nvrtc_version == "13.0 (nvidia-cuda-nvrtc 13.0.88)"
+        assert k.entry_points == ENTRY_POINTS
+        assert k.ptx.count("tanh.approx.f32") >= 6  # at least one per entry point
+        assert "ld.global.v4.u32" in k.ptx and "st.global.v4.u32" in k.ptx
+        assert set(k.manifest()) == {"arch", "ptx_isa", "nvrtc_version", "driver_floor", "options",
+                                     "source_sha256", "ptx_sha256", "entry_points"}  # fmt: skip
+
+
+def test_cache_hit_and_key(tmp_path):
+    first = compile_ptx("sm_90", cache_dir=tmp_path)
+    again = compile_ptx("sm_90", cache_dir=tmp_path)
+    assert not first.from_cache and again.from_cache and again.ptx == first.ptx
+    other = compile_ptx("sm_90", cache_dir=tmp_path, options=("-DANDREA_UNUSED=1",))
+    assert not other.from_cache and other.cache_path != first.cache_path
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.cache_path.name, other.cache_path.name])
+
+
+def test_compile_failure_carries_the_log(tmp_path):
+    with pytest.raises(PluginError) as e:
+        compile_ptx("sm_80", source='extern "C" __global__ void k() { undeclared_thing(); }', cache_dir=tmp_path)
+    assert e.value.log and "undeclared_thing" in e.value.log
+    assert str(e.value).startswith(
+        "NVRTC 13.0 (nvidia-cuda-nvrtc 13.0.88) could not compile the tanh-GELU kernel for sm_80 "
+        "(options: --gpu-architecture=compute_80 --std=c++17 --fmad=true)\n--- compiler log ---\n"
+    )
+    assert e.value.log.strip() in str(e.value)
+    assert list(tmp_path.iterdir()) == []  # nothing cached
+
+
+def test_missing_nvrtc_message(tmp_path):
+    missing = tmp_path / "libnvrtc.so.13"
+    with pytest.raises(MissingDependency) as e:
+        load_nvrtc(missing)
+    assert str(e.value) == (
+        f"Compiling the tanh-GELU plugin kernel needs NVRTC (libnvrtc), which could not be loaded from {missing} "
+        "(no such file). Install it with: pip install 'nvidia-cuda-nvrtc==13.0.88' (PTX ISA 9.0, drivers R580+), "
+        "or set ANDREA_NVRTC to a libnvrtc.so (e.g. from nvidia-cuda-nvrtc-cu12 for older drivers)"
+    )
+
+
+def test_missing_nvrtc_through_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANDREA_NVRTC", str(tmp_path))  # a folder without libnvrtc
+    with pytest.raises(MissingDependency, match=r"from .* \(no libnvrtc.so\* in that folder\)"):
+        compile_ptx("sm_80", cache_dir=tmp_path)
+
+
+def test_invalid_arch():
+    with pytest.raises(PluginError, match=r"^invalid GPU architecture 'hopper'; expected e.g. 'sm_90'$"):
+        compile_ptx("hopper")
+
+
+def test_arch_choice_and_grid():
+    assert best_arch(None) == "sm_80"
+    assert best_arch((9, 0)) == "sm_90"
+    assert best_arch((8, 7)) == "sm_86"
+    assert best_arch((10, 3)) == "sm_100"
+    assert best_arch((12, 1)) == "sm_120"
+    with pytest.raises(PluginError, match="below sm_80"):
+        best_arch((7, 5))
+    assert driver_floor((12, 2)) == "R535 (CUDA 12.2) or newer"
+    assert driver_floor((13, 5)) == "a CUDA 13.5 driver or newer"
+    assert grid_size(0, "float16") == 1
+    assert grid_size(2047, "float16") == 1
+    assert grid_size(2048, "float16") == 2
+    assert grid_size(1024, "float32") == 2
+
+
+# ---- SASS ---------------------------------------------------------------------------------------------
+
+PTXAS, CUOBJDUMP = _tool("ptxas"), _tool("cuobjdump")
+
+
+def _functions(sass: str) -> dict[str, list[str]]:
+    """{kernel: [opcode, ...]} from cuobjdump -sass (predicates dropped)."""
+    out: dict[str, list[str]] = {}
+    cur = None
+    for line in sass.splitlines():
+        m = re.search(r"Function : (\w+)", line)
+        if m:
+            cur = out.setdefault(m.group(1), [])
+            continue
+        m = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        if m and cur is not None:
+            cur.append(m.group(1))
+    return out
+
+
+@pytest.mark.skipif(PTXAS is None or CUOBJDUMP is None,
+                    reason="needs ptxas (CUDA toolkit / nvidia-cuda-nvcc) and cuobjdump (nvidia-cuda-cuobjdump)")  # fmt: skip
+@pytest.mark.parametrize("arch", TARGET_ARCHS)
+def test_sass(ptx_by_arch, arch, tmp_path, record_property):
+    ptx = tmp_path / "k.ptx"
+    ptx.write_text(ptx_by_arch[arch].ptx)
+    cubin = tmp_path / "k.cubin"
+    proc = subprocess.run([PTXAS, f"-arch={arch}", "-v", "-o", str(cubin), str(ptx)], capture_output=True, text=True)
+    if proc.returncode != 0 and "Unsupported .version" in proc.stderr:
+        pytest.skip(f"this ptxas is older than PTX ISA {ptx_by_arch[arch].ptx_isa}: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    # ptxas -v: per entry "Compiling entry function 'X'" ... "N bytes spill stores, M bytes spill loads" ... "Used R registers"
+    regs = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers", proc.stderr, re.S))
+    assert set(regs) == set(ENTRY_POINTS)
+    assert re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", proc.stderr) == [("0", "0", "0")] * 6
+    record_property(f"registers_{arch}", regs)
+    print(arch, "registers:", regs)
+    sass = subprocess.run([CUOBJDUMP, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    funcs = _functions(sass)
+    assert set(funcs) == set(ENTRY_POINTS)
+    for name, ops in funcs.items():
+        assert "MUFU.TANH" in ops, name  # tanh is one hardware instruction...
+        assert "MUFU.EX2" not in ops, name  # ...not a software tanhf (exp + reciprocal)
+        assert not any(op.startswith(("LDL", "STL")) for op in ops), name  # no local memory
+        loads128 = sum(op.startswith("LDG.E.128") for op in ops)
+        assert loads128 >= (2 if "_bias_" in name else 1), name  # x (and bias) in 16-byte vectors
+        assert any(op.startswith("STG.E.128") for op in ops), name
+        assert ops.count("MUFU.TANH") >= 2 + (4 if name.endswith("f32") else 8), name  # head, tail, one vector
