@@ -10,6 +10,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+_FILE_MODE = 0o666 & ~_UMASK  # what open() would give; mkstemp's 0600 would hide artifacts from other users
+
 
 @contextlib.contextmanager
 def atomic_path(final: str | Path):
@@ -17,6 +21,7 @@ def atomic_path(final: str | Path):
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+    os.fchmod(fd, _FILE_MODE)
     os.close(fd)
     tmp = Path(tmp)
     try:

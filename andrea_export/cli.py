@@ -91,30 +91,122 @@ def export(checkpoint, config, seed, out, opset):
 
 
 @main.command()
-@click.argument("onnx_file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("target", type=click.Path(path_type=Path))
 @checkpoint_option
 @config_option
-@click.option("--shapes", default=None, metavar="BxT,...",
-              callback=_shapes,
+@click.option("--shapes", default=None, metavar="BxT,...", callback=_shapes,
               help="Input shapes to compare, e.g. 1x1,4x64,2x1024. Default: 1x1, 1x17, 4x64, 2x<context>.")
-@click.option("--greedy-steps", default=32, show_default=True, help="Greedy tokens decoded by both (0: skip).")
+@click.option("--greedy-steps", default=32, show_default=True, help="Greedy tokens decoded by each (0: skip).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Write the JSON report here. Default: <onnx_file>.verify.json")
+              help="ONNX target: write the JSON report here. Default: <onnx_file>.verify.json")
 @_user_errors
-def verify(onnx_file, checkpoint, config, shapes, greedy_steps, report):
-    """Verify an ONNX file against the PyTorch model with Polygraphy (ONNX Runtime on this machine).
+def verify(target, checkpoint, config, shapes, greedy_steps, report):
+    """Verify an ONNX file or a build folder against the PyTorch model with Polygraphy.
+
+    
+    TARGET is an ONNX file (run with ONNX Runtime) or a build folder from `build`: then every artifact
+    in it is verified again, the engine too where it can run (on a GPU host of the kind it was built
+    for), and verify.json and the manifest's status are updated.
 
     Compares logits with explicit tolerances (max/mean/median absolute and relative error), top-1 and
     top-5 agreement of next-token predictions, the KL divergence of the next-token distributions, and
     greedy decoding. Exits 1 if any check fails.
     """
+    if target.is_dir():
+        from .pipeline import print_build_summary, verify_build
+        from .verify import VerifyReport, print_summary
+
+        manifest = verify_build(target, checkpoint, shapes, greedy_steps)
+        print_summary(VerifyReport.load(target / "verify.json"))
+        print_build_summary(manifest, target)
+        sys.exit(1 if manifest["status"] == "failed" else 0)
+
     from .config import load_config
     from .verify import print_summary, reference_model_for
     from .verify import verify as run_verify
 
-    model = reference_model_for(onnx_file, checkpoint, load_config(config) if config else None)
-    result = run_verify(model, {"onnxrt": onnx_file}, shapes=shapes, greedy_steps=greedy_steps)
-    path = result.save(report or onnx_file.with_name(onnx_file.name + ".verify.json"))
+    model = reference_model_for(target, checkpoint, load_config(config) if config else None)
+    result = run_verify(model, {"onnxrt": target}, shapes=shapes, greedy_steps=greedy_steps)
+    path = result.save(report or target.with_name(target.name + ".verify.json"))
     print_summary(result)
     click.echo(f"report: {path}")
     sys.exit(0 if result.passed else 1)
+
+
+@main.command()
+@click.option("--build-config", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="A TOML file with any of the options below (keys as in the build folder's build-config.toml). "
+                   "Options given on the command line win.")
+@checkpoint_option
+@config_option
+@click.option("--seed", type=int, default=None, help="Seed of the random weights (no checkpoint). [default: 0]")
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+              help="Precision of the graph the engine is built from (TensorRT 11 and TensorRT-RTX are strongly "
+                   "typed: LayerNorm and softmax stay float32). [default: fp32]")
+@click.option("--builder", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx"]), default=None,
+              help="auto: TensorRT when it is installed and a GPU is present (plugin engine), else TensorRT-RTX "
+                   "(ahead of time on the CPU, native GELU). [default: auto]")
+@click.option("--profile", "profiles", default=None, metavar="SPEC",
+              help="Optimization profile(s) for input_ids, e.g. 'batch=1:4:16,seq=1:128:1024' (min:opt:max; "
+                   "';' separates profiles). [default: batch=1:1:8, seq=1:128:<context>]")
+@click.option("--opt-level", type=click.IntRange(0, 5), default=None, help="Builder optimization level. [default: 3]")
+@click.option("--workspace-mb", type=int, default=None, help="Workspace memory limit in MiB. [default: TensorRT's]")
+@click.option("--compute-capability", "compute_capabilities", multiple=True,
+              help="TensorRT-RTX target, repeatable: 7.5, 8.0, 8.6, 8.9, 12.0. [default: 8.0 8.6 8.9 12.0]")
+@click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
+              help="Timing cache file, loaded if present and saved after (TensorRT). [default: OUT/timing.cache]")
+@click.option("--fuse-bias/--no-fuse-bias", default=None,
+              help="Plugin graph: fold the MLP bias add into the plugin (TanhGeluBias). [default: no]")
+@click.option("--out", default=None, help="Build folder. [default: out/<model>-<precision>]")
+@click.option("--force", is_flag=True, help="Replace a folder that holds another build.")
+@_user_errors
+def build(build_config, checkpoint, config, seed, precision, builder, profiles, opt_level, workspace_mb,
+          compute_capabilities, timing_cache, fuse_bias, out, force):
+    """Checkpoint -> ONNX -> plugin graph -> TensorRT engine -> Polygraphy verification -> build folder.
+
+    \b
+    With no options: ANDREA-120M with seeded random weights (announced), fp32, built with TensorRT-RTX
+    on a CPU machine or TensorRT on a GPU host, into out/andrea-120m-fp32/:
+      model.onnx            standard graph (ONNX Runtime, TensorRT-RTX, TensorRT without the plugin)
+      model.plugin.onnx     every tanh-GELU a call of our plugin andrea::TanhGelu (runs in ORT too)
+      model.plan            the engine; model.plan.json says what built it, for which GPUs
+      model.layers.json     the engine's layer report, where the builder can produce one
+      verify.json           Polygraphy's verdict per artifact and input shape, LM figures
+      build-config.toml     the effective options: --build-config repeats the build
+      manifest.json         everything above with sha256, versions, profiles, plugin kernel, status
+
+    Exits 1 when verification fails (the manifest then says "failed").
+    """
+    from .pipeline import BuildOptions, print_build_summary, run_build
+
+    overrides = dict(checkpoint=str(checkpoint) if checkpoint else None, config=config, seed=seed,
+                     precision=precision, builder=builder, profiles=profiles, opt_level=opt_level,
+                     workspace_mb=workspace_mb, compute_capabilities=list(compute_capabilities) or None,
+                     timing_cache=timing_cache, fuse_bias=fuse_bias, out=out)
+    if build_config:
+        opts = BuildOptions.from_toml(build_config, **overrides)
+    else:
+        opts = BuildOptions(**{k: v for k, v in overrides.items() if v is not None})
+    manifest = run_build(opts, force=force)
+    out_dir = Path(manifest["options"]["out"])
+    print_build_summary(manifest, out_dir)
+    click.echo(str(out_dir / "manifest.json"))
+    sys.exit(1 if manifest["status"] == "failed" else 0)
+
+
+@main.command()
+@click.argument("path", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a readable summary.")
+@_user_errors
+def inspect(path, as_json):
+    """Summarise a build folder (manifest, status, sha256 check), an ONNX file (I/O, ops, plugin calls,
+    metadata) or an engine (.plan: what built it, for which GPUs)."""
+    import json as _json
+
+    from .inspect import describe, print_description
+
+    d = describe(path)
+    if as_json:
+        click.echo(_json.dumps(d, indent=2))
+    else:
+        print_description(d)

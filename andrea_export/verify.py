@@ -24,13 +24,9 @@ from .export import INPUT_NAME, OUTPUT_NAME
 from .model import Andrea
 from .progress import console, step
 
-# Per-precision tolerances on the logits. An element fails only if BOTH its absolute and relative
-# error exceed these (Polygraphy's rule; relative error is taken against the reference).
-# fp32: ORT vs PyTorch measured max abs error ~2e-5 on ANDREA-120M at 1024 tokens (logits ~|5|).
-TOLERANCES = {"fp32": {"rtol": 1e-4, "atol": 1e-4}}
-# LM-level thresholds: what a deployment cares about. Top-1 agreement is the fraction of positions whose
-# argmax token is the same; KL is max over positions of KL(reference || artifact) in nats.
-LM_THRESHOLDS = {"fp32": {"min_top1": 0.999, "max_kl": 1e-4}}
+# Tolerances per precision live in precision.py (TOLERANCES, MIN_TOP1, MAX_KL), with the measurements
+# behind them. An element of the logits fails only if BOTH its absolute and relative error exceed the
+# tolerances (Polygraphy's rule; relative error is taken against the reference).
 
 
 class TorchRunner(BaseRunner):
@@ -57,13 +53,25 @@ class TorchRunner(BaseRunner):
         return OrderedDict([(OUTPUT_NAME, logits.float().numpy())])
 
 
-def onnxrt_runner(onnx_path: str | Path, name: str | None = None, threads: int | None = None):
-    """Polygraphy's ONNX Runtime runner on the CPU (the CUDA provider when onnxruntime-gpu has it)."""
+def onnxrt_runner(onnx_path: str | Path, name: str | None = None):
+    """Polygraphy's ONNX Runtime runner (the CUDA provider when onnxruntime-gpu has it, else the CPU).
+
+    A bf16 graph runs on the CPU through `precision.emulate_in_fp32` (every op rounded to bf16), since
+    ONNX Runtime's CPU provider has no bf16 kernels; the runner's name then says so."""
+    import onnx
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
+    from .precision import emulate_in_fp32, graph_precision
+
+    ort.set_default_logger_severity(3)  # errors only: its constant-folding notes on fp16 graphs are noise
     providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
-    return OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers), name=name or f"onnxrt:{Path(onnx_path).name}")
+    name = name or f"onnxrt:{Path(onnx_path).name}"
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    if graph_precision(model) == "bf16" and providers == ["CPUExecutionProvider"]:
+        emulated = emulate_in_fp32(onnx.load(str(onnx_path)))
+        return OnnxrtRunner(SessionFromOnnx(emulated.SerializeToString(), providers=providers), name=name + " (bf16 emulated)")
+    return OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers), name=name)
 
 
 def default_shapes(n_positions: int) -> list[tuple[int, int]]:
@@ -77,13 +85,17 @@ class VerifyReport:
     passed: bool
     precision: str
     tolerances: dict
-    lm_thresholds: dict
+    lm_thresholds: dict  # min_top1, max_kl
     shapes: list
     comparisons: list  # one dict per (reference, artifact) pair
     skipped: list  # artifacts that could not run here, with the reason
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "VerifyReport":
+        return cls(**json.loads(Path(path).read_text()))
 
     def save(self, path: str | Path) -> Path:
         return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
@@ -135,7 +147,7 @@ def verify(
     Args:
         model: the reference model.
         artifacts: name -> Polygraphy runner, or a path to an ONNX file (run with ONNX Runtime).
-        precision: selects the tolerances (TOLERANCES, LM_THRESHOLDS).
+        precision: selects the tolerances (precision.TOLERANCES, MIN_TOP1, MAX_KL).
         shapes: (batch, seq) pairs; default `default_shapes(context)`.
         greedy_steps: greedy tokens decoded per artifact (0 to skip).
         skipped: artifacts that cannot run here, as {"artifact", "reason"} dicts, carried into the report.
@@ -143,12 +155,14 @@ def verify(
     from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
+    from .precision import MAX_KL, MIN_TOP1, TOLERANCES
+
     cfg = model.cfg
     shapes = shapes or default_shapes(cfg.n_positions)
     for b, t in shapes:
         if not 1 <= t <= cfg.n_positions or b < 1:
             raise ValueError(f"shape ({b}, {t}) is outside the model: batch >= 1, 1 <= seq <= {cfg.n_positions}")
-    tol, lm_tol = TOLERANCES[precision], LM_THRESHOLDS[precision]
+    tol, lm_tol = TOLERANCES[precision], {"min_top1": MIN_TOP1[precision], "max_kl": MAX_KL[precision]}
     runners = [TorchRunner(model)]
     for name, a in artifacts.items():
         runners.append(onnxrt_runner(a, name=name) if isinstance(a, (str, Path)) else a)

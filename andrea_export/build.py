@@ -1,0 +1,641 @@
+"""ONNX -> engine (.plan), with TensorRT (GPU host; the graph may call our tanh-GELU plugin) or
+TensorRT-RTX (ahead of time on any CPU; standard graph). One code path: the two Python APIs mirror
+each other, and the code branches only where they differ:
+
+| | TensorRT | TensorRT-RTX |
+|---|---|---|
+| needs a GPU to build | yes (it times tactics) | no (AOT; kernels are finished by JIT on the target) |
+| plugin calls (`andrea::TanhGelu`) | imported as PLUGIN_V3 layers (plugin registered first) | expanded to native layers (function body) |
+| targets | the building GPU | the compute capabilities set in the config |
+| timing cache | loaded, used, saved | a documented no-op (deprecated in RTX 1.2): not written |
+| layer report | engine inspector (JSON) | engine inspector needs an RTX GPU; else the builder's own layer log |
+
+Both are strongly typed: precision comes from the ONNX graph (see precision.py), never from flags.
+
+Beside `<name>.plan` a build writes `<name>.plan.json` (what built it, for what, from what: read back by
+`check_engine_compat` before an engine is reused) and `<name>.layers.json` (the layer report).
+Everything is written under a temporary name and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import importlib.util
+import json
+import re
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+import onnx
+
+from .artifacts import atomic_path, sha256_file, write_text_atomic
+from .config import ModelConfig
+from .errors import BuildError, ConfigError, MissingDependency, require
+from .progress import console, warn
+
+BUILDERS = ("tensorrt", "tensorrt-rtx")
+_MODULES = {"tensorrt": ("tensorrt", "tensorrt"), "tensorrt-rtx": ("tensorrt_rtx", "rtx")}  # module, pip extra
+INPUT_NAME = "input_ids"  # = export.INPUT_NAME (not imported: export.py pulls in torch)
+CONFIG_KEY = "andrea.config"  # = export.CONFIG_KEY
+PRECISION_KEY = "andrea.precision"  # = precision.PRECISION_KEY
+OPT_LEVELS = range(0, 6)  # builder_optimization_level: 0 (fastest build) .. 5 (most search); 3 is TensorRT's default
+# TensorRT-RTX's own default targets, documented: "an engine built by TensorRT-RTX can be run on GPU
+# devices with compute capability 8.0, 8.6, 8.9, 12.0, and later" (cpu-engines.html). We keep that
+# default (it builds fastest: listing the same four explicitly doubles the AOT time for the same plan).
+RTX_DEFAULT_CCS = ("8.0", "8.6", "8.9", "12.0")
+RTX_CCS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")  # what tensorrt_rtx.ComputeCapability names
+
+
+# --- which builder --------------------------------------------------------------------------------
+
+
+def trt_module(builder: str):
+    """The imported `tensorrt` or `tensorrt_rtx` module for `builder` ("tensorrt" / "tensorrt-rtx")."""
+    if builder not in _MODULES:
+        raise ConfigError(f"builder must be one of auto, {', '.join(BUILDERS)}; got {builder!r}")
+    module, extra = _MODULES[builder]
+    why = f"Building engines with {_NAMES[builder]}"
+    mod = require(module, extra, why)
+    if not hasattr(mod, "Builder"):  # tensorrt-stubs installs an empty `tensorrt` namespace package
+        raise MissingDependency(
+            f"{why} needs the Python module '{module}', which could not be imported (only a package without "
+            f"the library is installed: {list(getattr(mod, '__path__', []))[:1]}). "
+            f"Install it with: pip install 'andrea-export[{extra}]'"
+        )
+    return mod
+
+
+_NAMES = {"tensorrt": "TensorRT", "tensorrt-rtx": "TensorRT-RTX"}
+
+
+def _importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), "Builder")
+    except (ImportError, ValueError):  # ValueError: a None entry in sys.modules
+        return False
+
+
+def gpu_compute_capability() -> str | None:
+    """The compute capability of GPU 0 ("8.9"), or None without a GPU and a working driver.
+
+    Asks the CUDA driver (libcuda) directly, so it needs neither torch's CUDA build nor cuda-python."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    n, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
+        return None
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, 0) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, 0):
+        return None
+    return f"{major.value}.{minor.value}"
+
+
+def resolve_builder(choice: str = "auto") -> str:
+    """"tensorrt" or "tensorrt-rtx". auto: TensorRT when it imports and a GPU is present, else
+    TensorRT-RTX (which builds on a CPU), else an error that says what to install."""
+    if choice == "auto":
+        if gpu_compute_capability() is not None and _importable("tensorrt"):
+            return "tensorrt"
+        if _importable("tensorrt_rtx"):
+            return "tensorrt-rtx"
+        raise MissingDependency(
+            "no engine builder available: install TensorRT-RTX, which builds engines on any machine "
+            "(pip install 'andrea-export[rtx]'), or, on a host with an NVIDIA GPU, TensorRT "
+            "(pip install 'andrea-export[tensorrt]')"
+        )
+    trt_module(choice)  # raises ConfigError / MissingDependency
+    if choice == "tensorrt" and gpu_compute_capability() is None:
+        raise BuildError("TensorRT builds engines on a GPU and none was found; use --builder tensorrt-rtx to build on a CPU")
+    return choice
+
+
+# --- optimization profiles -------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """min/opt/max of one dimension of input_ids."""
+
+    min: int
+    opt: int
+    max: int
+
+    def check(self, field: str) -> "Profile":
+        vals = (self.min, self.opt, self.max)
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in vals) or not 1 <= self.min <= self.opt <= self.max:
+            raise ConfigError(
+                f"profile '{field}': expected min:opt:max with 1 <= min <= opt <= max, got {self.min}:{self.opt}:{self.max}"
+            )
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.min}:{self.opt}:{self.max}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profiles:
+    """One TensorRT optimization profile for input_ids [batch, seq]."""
+
+    batch: Profile = Profile(1, 1, 8)
+    seq: Profile = Profile(1, 128, 1024)
+
+    def check(self, context: int | None = None) -> "Profiles":
+        """Validate; `context` is the model's maximum sequence length (n_positions)."""
+        self.batch.check("batch")
+        self.seq.check("seq")
+        if context is not None and self.seq.max > context:
+            raise ConfigError(f"profile 'seq': max {self.seq.max} exceeds the model's context of {context} tokens")
+        return self
+
+    @classmethod
+    def for_model(cls, cfg: ModelConfig, max_batch: int = 8) -> "Profiles":
+        """Defaults for a model: batch 1:1:max_batch, seq 1:min(128, context):context."""
+        return cls(Profile(1, 1, max_batch), Profile(1, min(128, cfg.n_positions), cfg.n_positions))
+
+    @classmethod
+    def parse(cls, text: str, base: "Profiles | None" = None) -> "Profiles":
+        """"batch=1:4:16,seq=1:128:1024"; a dimension left out keeps `base`'s; "batch=4" means 4:4:4."""
+        fields = dataclasses.asdict(base or cls())
+        fields = {k: Profile(**v) for k, v in fields.items()}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, value = part.partition("=")
+            key = key.strip()
+            if not sep:
+                raise ConfigError(f"profile '{text}': expected entries like batch=1:4:16,seq=1:128:1024")
+            if key not in fields:
+                raise ConfigError(f"profile: unknown dimension '{key}'; known: batch, seq")
+            nums = value.strip().split(":")
+            if len(nums) not in (1, 3) or not all(re.fullmatch(r"\d+", n) for n in nums):
+                raise ConfigError(f"profile '{key}': '{value.strip()}' is not min:opt:max (or one size) of integers")
+            ints = [int(n) for n in nums] * (3 if len(nums) == 1 else 1)
+            fields[key] = Profile(*ints)
+        return cls(**fields).check()
+
+    def shapes(self) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+        return (self.batch.min, self.seq.min), (self.batch.opt, self.seq.opt), (self.batch.max, self.seq.max)
+
+    def to_dict(self) -> dict:
+        return {"batch": str(self.batch), "seq": str(self.seq)}
+
+
+def parse_profiles(text: str, base: Profiles | None = None) -> list[Profiles]:
+    """Several optimization profiles, separated by ';': "batch=1,seq=1:1:1;batch=1:4:16,seq=1:128:1024"."""
+    parts = [p for p in text.split(";") if p.strip()]
+    if not parts:
+        raise ConfigError("profile: empty; expected entries like batch=1:4:16,seq=1:128:1024")
+    return [Profiles.parse(p, base) for p in parts]
+
+
+# --- the build --------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BuildResult:
+    builder: str  # "tensorrt" / "tensorrt-rtx"
+    builder_version: str
+    plan: Path
+    plan_bytes: int
+    plan_sha256: str
+    build_seconds: float
+    onnx: Path
+    precision: str  # from the graph's metadata (precision.py); TensorRT 11/RTX are strongly typed
+    profiles: list[dict]
+    opt_level: int
+    tf32: bool  # TF32 GEMMs allowed (cleared for fp32 graphs)
+    workspace_mb: int | None
+    compute_capabilities: list[str]  # the targets; for TensorRT the building GPU
+    compute_capabilities_default: bool  # RTX: the builder's own default targets were used
+    plugin_layers: int  # PLUGIN_V3 layers in the network (TensorRT with the plugin graph)
+    layer_report: Path | None
+    layer_report_source: str  # "engine inspector" / "builder log (engine inspector not available: ...)"
+    timing_cache: Path | None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
+
+    @property
+    def sidecar(self) -> Path:
+        return sidecar_path(self.plan)
+
+
+def sidecar_path(plan: str | Path) -> Path:
+    return Path(str(plan) + ".json")
+
+
+def layer_report_path(plan: str | Path) -> Path:
+    plan = Path(plan)
+    return plan.with_name(plan.stem + ".layers.json")
+
+
+def build_engine(
+    onnx_path: str | Path,
+    plan_path: str | Path,
+    *,
+    builder: str = "auto",
+    profiles: Profiles | Sequence[Profiles] | None = None,
+    opt_level: int = 3,
+    workspace_mb: int | None = None,
+    timing_cache: str | Path | None = None,
+    compute_capabilities: Sequence[str] | None = None,
+    progress: bool = True,
+) -> BuildResult:
+    """Build `plan_path` from `onnx_path` and write its sidecar and layer report. See the module doc.
+
+    profiles: one or several optimization profiles; default `Profiles.for_model(config of the ONNX)`.
+    opt_level: builder optimization level 0..5. workspace_mb: workspace pool limit (default: TensorRT's).
+    timing_cache: file loaded when present and saved after the build (TensorRT only).
+    compute_capabilities: TensorRT-RTX targets such as ["8.6", "8.9", "12.0"]; default the builder's
+        own (8.0, 8.6, 8.9, 12.0 and later). "7.5" (Turing) must be alone and needs an fp16 graph.
+    """
+    onnx_path, plan_path = Path(onnx_path), Path(plan_path)
+    builder = resolve_builder(builder)
+    trt = trt_module(builder)
+    rtx = builder == "tensorrt-rtx"
+    name = _NAMES[builder]
+
+    # Everything that can be checked without TensorRT is checked before it starts.
+    graph = _read_graph(onnx_path)
+    cfg = _graph_config(graph, onnx_path)
+    if profiles is None:
+        profiles = [Profiles.for_model(cfg)] if cfg else [Profiles()]
+    elif isinstance(profiles, Profiles):
+        profiles = [profiles]
+    if not profiles:
+        raise ConfigError("profile: at least one optimization profile is needed")
+    for p in profiles:
+        p.check(cfg.n_positions if cfg else None)
+    if opt_level not in OPT_LEVELS:
+        raise ConfigError(f"opt_level must be an integer from 0 to 5, got {opt_level!r}")
+    if workspace_mb is not None and (not isinstance(workspace_mb, int) or workspace_mb < 1):
+        raise ConfigError(f"workspace_mb must be a positive integer (MiB), got {workspace_mb!r}")
+    ccs, ccs_default = _compute_capabilities(trt, builder, compute_capabilities)
+    plugin_calls = _plugin_calls(graph)
+    precision = {p.key: p.value for p in graph.metadata_props}.get(PRECISION_KEY, "fp32")
+    warnings: list[str] = []
+    if rtx and timing_cache is not None:
+        warnings.append(
+            f"timing cache {timing_cache} not used: TensorRT-RTX has no autotuning and its timing-cache "
+            "operations are no-ops (deprecated in TensorRT-RTX 1.2)"
+        )
+        timing_cache = None
+    if rtx and plugin_calls:
+        warnings.append(
+            f"{len(plugin_calls)} plugin call(s) built as their ONNX function bodies: TensorRT-RTX has no plugin layers"
+        )
+    if plan_path.is_file() and sidecar_path(plan_path).is_file():
+        try:
+            check_engine_compat(plan_path, json.loads(sidecar_path(plan_path).read_text()))
+        except BuildError as e:
+            warnings.append(f"replacing {plan_path.name}: {e}")
+    if not rtx and plugin_calls:
+        register = require("andrea_export.plugin.register", "tensorrt", "Building the plugin graph")
+        register.register_plugins()
+
+    logger = _make_logger(trt)
+    t0 = time.perf_counter()
+    b = trt.Builder(logger)
+    network = b.create_network(0)  # strongly typed is the only mode in TensorRT 11 / RTX
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):  # from the file: external weights are found beside it
+        errors = []
+        for i in range(parser.num_errors):
+            e = parser.get_error(i)
+            where = f"node '{e.node_name()}' ({e.node_operator()})" if e.node_name() or e.node_operator() else "model"
+            why = e.code().name.lower().replace("_", " ")
+            desc = e.desc().strip()
+            errors.append(f"{where}: {why}" + (f": {desc}" if desc and desc not in ("false", "true") else ""))
+        raise BuildError(f"{name} could not parse {onnx_path.name}: " + "; ".join(errors or logger.errors))
+    plugin_layers = sum(network.get_layer(i).type == trt.LayerType.PLUGIN_V3 for i in range(network.num_layers))
+    if not rtx and plugin_calls and plugin_layers < len(plugin_calls):
+        raise BuildError(
+            f"{name} {trt.__version__} imported {len(plugin_calls) - plugin_layers} of {len(plugin_calls)} plugin call(s) "
+            "as their ONNX function bodies, not as the plugin: it needs TensorRT >= 10.7 with the plugin registered"
+        )
+
+    config = b.create_builder_config()
+    config.builder_optimization_level = opt_level
+    config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # layer names + tactics for the report
+    if precision == "fp32":  # an fp32 graph is the exact engine: no TF32 GEMMs (the flag defaults to on)
+        config.clear_flag(trt.BuilderFlag.TF32)
+    if workspace_mb is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
+    for p in profiles:
+        prof = b.create_optimization_profile()
+        prof.set_shape(INPUT_NAME, *p.shapes())
+        config.add_optimization_profile(prof)
+    if rtx and not ccs_default:
+        config.num_compute_capabilities = len(ccs)
+        for i, cc in enumerate(ccs):
+            config.set_compute_capability(getattr(trt.ComputeCapability, "SM" + cc.replace(".", "")), i)
+    cache = None
+    if timing_cache is not None:
+        cache, note = _load_timing_cache(trt, config, Path(timing_cache), builder)
+        if note:
+            warnings.append(note)
+    monitor = _monitor(trt, progress and console.is_terminal, f"Building {plan_path.name} with {name}")
+    config.progress_monitor = monitor
+    with monitor:
+        serialized = b.build_serialized_network(network, config)
+    if monitor.interrupted:
+        raise KeyboardInterrupt
+    if serialized is None:
+        raise BuildError(f"{name} failed to build {onnx_path.name}: " + "; ".join(logger.errors or ["no reason given"]))
+    seconds = time.perf_counter() - t0
+
+    report, source = _layer_report(trt, builder, serialized, logger)
+    warnings += [w for w in logger.warnings if not _expected_warning(w)]
+    written: list[Path] = []
+    try:
+        if cache is not None:
+            _save_timing_cache(cache, Path(timing_cache), builder, trt.__version__)
+        lr = None
+        if report is not None:
+            lr = write_text_atomic(layer_report_path(plan_path), json.dumps(report, indent=1))
+            written.append(lr)
+        with atomic_path(plan_path) as tmp:
+            with open(tmp, "wb") as f:
+                f.write(memoryview(serialized))
+            digest = sha256_file(tmp)
+            result = BuildResult(
+                builder=builder, builder_version=trt.__version__, plan=plan_path, plan_bytes=tmp.stat().st_size,
+                plan_sha256=digest, build_seconds=round(seconds, 3), onnx=onnx_path, precision=precision,
+                profiles=[p.to_dict() for p in profiles], opt_level=opt_level, workspace_mb=workspace_mb,
+                tf32=bool(config.get_flag(trt.BuilderFlag.TF32)),
+                compute_capabilities=list(ccs), compute_capabilities_default=ccs_default, plugin_layers=plugin_layers,
+                layer_report=lr, layer_report_source=source, timing_cache=Path(timing_cache) if cache else None,
+                warnings=warnings,
+            )
+            written.append(write_text_atomic(result.sidecar, json.dumps(result.to_dict(), indent=1)))
+    except BaseException:
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise
+    for w in warnings:
+        if progress:
+            warn(w)
+    return result
+
+
+def _expected_warning(message: str) -> bool:
+    """Parser warnings every build of our graphs gives, which tell the user nothing."""
+    return (
+        "Make sure input input_ids has Int64 binding" in message  # our input is int64 by design
+        # each expanded call of a model-local function (the plugin graph on RTX) reuses the body's node names
+        or "already exists, the output tensors of this new instance will not be queryable" in message
+    )
+
+
+def check_engine_compat(plan_path: str | Path, manifest: dict) -> dict:
+    """Check that the engine `plan_path`, described by `manifest` (its `.plan.json` sidecar or the
+    package manifest's engine entry), can run here. Raises BuildError saying what differs and to rebuild.
+
+    Checked: the file is the one recorded (size, sha256 when recorded); the builder is installed at the
+    recorded version (engines are not portable across TensorRT versions); and, where a GPU is present,
+    its compute capability is a recorded target, and the runtime's own header check (RTX
+    `get_engine_validity`) agrees. Returns {"checked": [...], "skipped": [...]}."""
+    plan_path = Path(plan_path)
+    checked, skipped = [], []
+    if not plan_path.is_file():
+        raise BuildError(f"{plan_path}: no such engine file")
+    for key in ("builder", "builder_version"):
+        if key not in manifest:
+            raise BuildError(f"{plan_path}: its manifest has no '{key}'; cannot tell what built it: rebuild it")
+    size = plan_path.stat().st_size
+    if "plan_bytes" in manifest and manifest["plan_bytes"] != size:
+        raise BuildError(f"{plan_path}: {size} bytes, but its manifest records {manifest['plan_bytes']}: not the engine it describes")
+    if "plan_sha256" in manifest:
+        if sha256_file(plan_path) != manifest["plan_sha256"]:
+            raise BuildError(f"{plan_path}: sha256 differs from its manifest: not the engine it describes")
+        checked.append("sha256")
+    builder, recorded = manifest["builder"], manifest["builder_version"]
+    trt = trt_module(builder)
+    if trt.__version__ != recorded:
+        raise BuildError(
+            f"{plan_path}: built with {_NAMES[builder]} {recorded}, but this environment has {trt.__version__}; "
+            f"engines do not load across versions: rebuild it, or install {_MODULES[builder][0]}=={recorded}"
+        )
+    checked.append("builder version")
+    cc = gpu_compute_capability()
+    targets = list(manifest.get("compute_capabilities") or [])
+    if cc is None:
+        skipped.append("compute capability (no GPU here)")
+    else:
+        default = manifest.get("compute_capabilities_default", False)
+        ok = cc in targets or (default and int(cc.split(".")[0]) >= 12)
+        if not ok:
+            raise BuildError(
+                f"{plan_path}: built for compute capability {', '.join(targets) or '?'}, but this GPU is {cc}: rebuild it here"
+                + (" (with --compute-capability " + cc + ")" if builder == "tensorrt-rtx" else "")
+            )
+        checked.append("compute capability")
+        runtime = trt.Runtime(_make_logger(trt))
+        if hasattr(runtime, "get_engine_validity") and hasattr(runtime, "engine_header_size"):
+            with open(plan_path, "rb") as f:
+                header = f.read(runtime.engine_header_size)
+            validity, diagnostics = runtime.get_engine_validity(header)
+            if validity != trt.EngineValidity.VALID:
+                raise BuildError(f"{plan_path}: {_NAMES[builder]} says the engine is {validity.name} here (diagnostics {diagnostics}): rebuild it")
+            checked.append("engine header")
+    return {"checked": checked, "skipped": skipped}
+
+
+# --- helpers ----------------------------------------------------------------------------------------
+
+
+def _read_graph(path: Path) -> onnx.ModelProto:
+    if not path.is_file():
+        raise BuildError(f"{path}: no such ONNX file")
+    try:
+        graph = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError has no public type
+        raise BuildError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
+    inputs = [i.name for i in graph.graph.input if i.name not in {t.name for t in graph.graph.initializer}]
+    if inputs != [INPUT_NAME]:
+        raise BuildError(
+            f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs) or 'none'}; "
+            f"expected one input '{INPUT_NAME}' (an andrea-export ONNX)"
+        )
+    return graph
+
+
+def _graph_config(graph: onnx.ModelProto, path: Path) -> ModelConfig | None:
+    meta = {p.key: p.value for p in graph.metadata_props}
+    if CONFIG_KEY not in meta:
+        return None  # not ours: no context limit known; TensorRT still checks what it can
+    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
+
+
+def _plugin_calls(graph: onnx.ModelProto) -> list[str]:
+    from .plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE
+
+    return [n.name for n in graph.graph.node if n.domain == PLUGIN_NAMESPACE and n.op_type in (GELU_OP, GELU_BIAS_OP)]
+
+
+def _compute_capabilities(trt, builder: str, requested: Sequence[str] | None) -> tuple[list[str], bool]:
+    if builder == "tensorrt":
+        if requested:
+            raise ConfigError("compute capabilities apply to TensorRT-RTX only: TensorRT builds for the GPU it runs on")
+        return [gpu_compute_capability() or "?"], False
+    if not requested:
+        return list(RTX_DEFAULT_CCS), True
+    out = []
+    for cc in requested:
+        norm = str(cc).strip().lower().removeprefix("sm_").removeprefix("sm")
+        if re.fullmatch(r"\d{2,3}", norm):
+            norm = f"{norm[:-1]}.{norm[-1]}"
+        if norm not in RTX_CCS or not hasattr(trt.ComputeCapability, "SM" + norm.replace(".", "")):
+            raise ConfigError(f"compute capability {cc!r} is not a TensorRT-RTX target; choose from {', '.join(RTX_CCS)}")
+        if norm not in out:
+            out.append(norm)
+    if "7.5" in out and len(out) > 1:
+        raise ConfigError("compute capability 7.5 (Turing) must be built alone: TensorRT-RTX makes no portable engines with Turing")
+    return out, False
+
+
+def _make_logger(trt):
+    """A TensorRT logger that collects warnings and errors for messages, and the builder's layer listing."""
+
+    class Logger(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors: list[str] = []
+            self.warnings: list[str] = []
+            self.layers_text: str | None = None
+            self._lock = threading.Lock()
+
+        def log(self, severity, msg):
+            S = trt.ILogger.Severity
+            with self._lock:
+                if severity in (S.INTERNAL_ERROR, S.ERROR):
+                    self.errors.append(msg.strip())
+                elif severity == S.WARNING:
+                    self.warnings.append(msg.strip())
+                elif msg.startswith("Layers:\n"):
+                    self.layers_text = msg
+
+    return Logger()
+
+
+def _monitor(trt, show: bool, title: str):
+    """A TensorRT IProgressMonitor drawing rich progress bars, one per running build phase."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    class Monitor(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.interrupted = False
+            self._tasks: dict[str, tuple[int, int]] = {}  # phase -> (task id, depth)
+            self._lock = threading.Lock()
+            self._progress = (
+                Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                         console=console, transient=True)
+                if show else None
+            )
+
+        def __enter__(self):
+            if self._progress:
+                self._progress.start()
+                console.print(title)
+            return self
+
+        def __exit__(self, *exc):
+            if self._progress:
+                self._progress.stop()
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            try:
+                with self._lock:
+                    depth = self._tasks[parent_phase][1] + 1 if parent_phase in self._tasks else 0
+                    tid = self._progress.add_task("  " * depth + phase_name, total=num_steps) if self._progress else -1
+                    self._tasks[phase_name] = (tid, depth)
+            except BaseException:  # Ctrl-C lands in whichever Python code runs: cancel the build
+                self.interrupted = True
+
+        def step_complete(self, phase_name, step):
+            try:
+                with self._lock:
+                    if self._progress and phase_name in self._tasks:
+                        self._progress.update(self._tasks[phase_name][0], completed=step + 1)
+            except BaseException:
+                self.interrupted = True
+            return not self.interrupted  # False asks TensorRT to cancel the build
+
+        def phase_finish(self, phase_name):
+            try:
+                with self._lock:
+                    tid, _ = self._tasks.pop(phase_name, (None, 0))
+                    if self._progress and tid is not None:
+                        self._progress.remove_task(tid)
+            except BaseException:
+                self.interrupted = True
+
+    return Monitor()
+
+
+def _layer_report(trt, builder: str, serialized, logger) -> tuple[dict | None, str]:
+    """The engine inspector's JSON where the engine deserializes here, else the builder's layer log."""
+    reason = None
+    if gpu_compute_capability() is None:
+        reason = "no GPU here (an engine deserializes only on a GPU it targets)"
+    else:
+        try:
+            engine = trt.Runtime(logger).deserialize_cuda_engine(serialized)
+            if engine is None:
+                reason = "the engine does not deserialize on this GPU"
+            else:
+                inspector = engine.create_engine_inspector()
+                info = json.loads(inspector.get_engine_information(trt.LayerInformationFormat.JSON))
+                return {"source": "engine inspector", "builder": builder, **info}, "engine inspector"
+        except Exception as e:  # the inspector is a report, never a reason to fail a finished build
+            reason = f"{type(e).__name__}: {e}"
+    source = f"builder log (engine inspector not available: {reason})"
+    if not logger.layers_text:
+        return None, f"not available: {reason}; the builder logged no layer listing"
+    layers = []
+    for line in logger.layers_text.splitlines()[1:]:
+        m = re.match(r"Name: (?P<name>.*?), LayerType: (?P<type>[^,]*),", line)
+        if not m:
+            continue
+        tactic = re.search(r"TacticName: ([^,]*),", line)
+        layers.append({
+            "name": m["name"],
+            "type": m["type"],
+            "tactic": tactic.group(1).strip() if tactic else "",
+            "onnx_nodes": re.findall(r"\[ONNX Layer: ([^\]]+)\]", line),
+        })
+    return {"source": source, "builder": builder, "layers": layers}, source
+
+
+def _load_timing_cache(trt, config, path: Path, builder: str):
+    """A timing cache for the config: from `path` when present and made by this TensorRT, else empty."""
+    note = None
+    data = b""
+    if path.is_file():
+        meta_path = sidecar_path(path)
+        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        here = {"builder": builder, "builder_version": trt.__version__, "gpu": gpu_compute_capability()}
+        if meta and meta != here:
+            note = f"timing cache {path} was made by {meta} and this is {here}: starting a new one"
+        else:
+            data = path.read_bytes()
+    cache = config.create_timing_cache(data)
+    if not config.set_timing_cache(cache, False):
+        note = f"timing cache {path} was rejected by {_NAMES[builder]}: starting a new one"
+        cache = config.create_timing_cache(b"")
+        config.set_timing_cache(cache, False)
+    return cache, note
+
+
+def _save_timing_cache(cache, path: Path, builder: str, version: str) -> None:
+    with atomic_path(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(memoryview(cache.serialize()))
+    meta = {"builder": builder, "builder_version": version, "gpu": gpu_compute_capability()}
+    write_text_atomic(sidecar_path(path), json.dumps(meta, indent=1))

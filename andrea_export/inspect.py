@@ -1,0 +1,88 @@
+"""`andrea-export inspect`: a readable summary of a build folder, an ONNX file or an engine."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from .errors import AndreaExportError
+
+
+def describe(path: str | Path) -> dict:
+    """What a build folder, ONNX file or engine (.plan) is, as a JSON-ready dict."""
+    path = Path(path)
+    if path.is_dir():
+        return _describe_build(path)
+    if not path.is_file():
+        raise AndreaExportError(f"{path}: no such file or folder")
+    if path.suffix == ".onnx":
+        return _describe_onnx(path)
+    if path.suffix in (".plan", ".engine", ".trt"):
+        return _describe_engine(path)
+    raise AndreaExportError(f"{path}: cannot inspect a '{path.suffix}' file; expected a build folder, .onnx or .plan")
+
+
+def _describe_build(folder: Path) -> dict:
+    from .pipeline import read_manifest, verify_artifact_hashes
+
+    m = read_manifest(folder)
+    altered = verify_artifact_hashes(folder, m)
+    return {"kind": "build", "path": str(folder), "status": m["status"], "model": m["model"]["name"],
+            "precision": m["precision"], "weights": m["weights"], "builder": m["builder"], "profiles": m["profiles"],
+            "plugin": m["plugin"], "verification": m["verification"],
+            "artifacts": {r: f"{a['path']} ({a['bytes'] / 1e6:,.1f} MB)" for r, a in m["artifacts"].items()},
+            "integrity": "every artifact matches its sha256" if not altered else f"CHANGED since the build: {', '.join(altered)}"}
+
+
+def _describe_onnx(path: Path) -> dict:
+    import onnx
+
+    from .export import check_onnx, op_counts
+
+    model = check_onnx(path)
+
+    def io(values):
+        out = {}
+        for v in values:
+            t = v.type.tensor_type
+            dims = [d.dim_param or d.dim_value for d in t.shape.dim]
+            out[v.name] = f"{onnx.TensorProto.DataType.Name(t.elem_type).lower()} {dims}"
+        return out
+
+    meta = {p.key: p.value for p in model.metadata_props}
+    data = path.with_name(path.name + ".data")
+    return {"kind": "onnx", "path": str(path),
+            "bytes": path.stat().st_size + (data.stat().st_size if data.is_file() else 0),
+            "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+            "inputs": io(model.graph.input), "outputs": io(model.graph.output),
+            "nodes": dict(sorted(op_counts(model).items(), key=lambda kv: -kv[1])),
+            "local_functions": [f"{f.domain}.{f.name}" for f in model.functions], "metadata": meta}
+
+
+def _describe_engine(path: Path) -> dict:
+    from .build import sidecar_path
+
+    info = {"kind": "engine", "path": str(path), "bytes": path.stat().st_size}
+    side = sidecar_path(path)
+    if side.is_file():
+        info["built"] = json.loads(side.read_text())
+    else:
+        info["built"] = f"unknown: no {side.name} beside it (not built by andrea-export?)"
+    return info
+
+
+def print_description(d: dict) -> None:
+    from rich.pretty import Pretty
+
+    from .progress import console
+
+    title = {"build": "Build folder", "onnx": "ONNX model", "engine": "TensorRT engine"}[d["kind"]]
+    console.print(f"[bold]{title}[/] {d['path']}")
+    for k, v in d.items():
+        if k in ("kind", "path"):
+            continue
+        if isinstance(v, (dict, list)):
+            console.print(f"[cyan]{k}[/]:")
+            console.print(Pretty(v, indent_guides=False), soft_wrap=False)
+        else:
+            console.print(f"[cyan]{k}[/]: {v}")

@@ -1,0 +1,369 @@
+"""`andrea-export build` as a Python function: checkpoint -> ONNX -> plugin graph -> engine ->
+Polygraphy verification -> a self-describing build folder with manifest.json.
+
+The folder is assembled in a hidden staging folder inside `out` and moved in when every step has run;
+manifest.json moves last, so a folder with a manifest is a finished build (its `status` says whether
+it passed). Ctrl-C, a crash or a full disk leave `out` as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import json
+import platform
+import time
+import tomllib
+from pathlib import Path
+
+from . import __version__
+from .artifacts import sha256_file, staging, write_text_atomic
+from .config import load_config
+from .errors import AndreaExportError, BuildError, ConfigError
+from .progress import console, step, warn
+
+SCHEMA_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+@dataclasses.dataclass
+class BuildOptions:
+    """Every option of a build; a TOML file with these keys reproduces it (`--build-config`)."""
+
+    config: str | None = None  # preset name or JSON file; default: from the checkpoint, else andrea-120m
+    checkpoint: str | None = None  # None: seeded random weights (announced)
+    seed: int = 0
+    precision: str = "fp32"  # fp32 | fp16 | bf16: the precision of the ONNX graph the engine is built from
+    builder: str = "auto"  # auto | tensorrt | tensorrt-rtx
+    profiles: str | None = None  # "batch=1:1:8,seq=1:128:1024" (';' between profiles); default from the model
+    opt_level: int = 3
+    workspace_mb: int | None = None
+    compute_capabilities: list[str] | None = None  # TensorRT-RTX targets, e.g. ["8.6", "12.0"]
+    timing_cache: str | None = None  # default: <out>/timing.cache, reused by later builds into the same folder
+    fuse_bias: bool = False  # plugin graph: fold the MLP bias Add into the plugin (TanhGeluBias)
+    verify_shapes: list[list[int]] | None = None  # [[batch, seq], ...]; default: verify.default_shapes
+    greedy_steps: int = 32
+    out: str | None = None  # default: out/<model>-<precision>
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides) -> "BuildOptions":
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as e:
+            raise ConfigError(f"{path}: cannot read the build config: {e}") from None
+        known = {f.name for f in dataclasses.fields(cls)}
+        data = {k.replace("-", "_"): v for k, v in data.items()}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ConfigError(f"{path}: unknown build option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        data.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**data)
+
+    def to_toml(self) -> str:
+        """The effective options as TOML (None values are left out: they mean 'the default')."""
+        lines = ["# andrea-export build options: `andrea-export build --build-config THIS_FILE` repeats the build"]
+        for k, v in dataclasses.asdict(self).items():
+            if v is not None:
+                lines.append(f"{k} = {json.dumps(v)}")  # JSON scalars and lists are valid TOML
+        return "\n".join(lines) + "\n"
+
+
+def run_build(opts: BuildOptions, force: bool = False) -> dict:
+    """Run the whole build; returns the manifest (also written to <out>/manifest.json).
+
+    Raises AndreaExportError for bad input before any heavy step; a verification failure is not an
+    exception: the manifest's status says "failed" (and the CLI exits 1)."""
+    from .build import Profiles, parse_profiles, resolve_builder
+    from .precision import PRECISIONS
+
+    if opts.precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {opts.precision!r}")
+    cfg = load_config(opts.config) if opts.config else None
+    builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
+    model = _load_model(opts, cfg)
+    cfg = model.cfg
+    profiles = parse_profiles(opts.profiles, Profiles.for_model(cfg)) if opts.profiles else [Profiles.for_model(cfg)]
+    for p in profiles:
+        p.check(cfg.n_positions)
+    out = Path(opts.out or f"out/{cfg.name}-{opts.precision}")
+    opts = dataclasses.replace(opts, out=str(out))
+    _claim(out, opts, force)
+    # TensorRT reuses tactic timings across builds; TensorRT-RTX has no autotuning, so no cache by default.
+    timing_cache = Path(opts.timing_cache) if opts.timing_cache else (out / "timing.cache" if builder == "tensorrt" else None)
+
+    t0 = time.perf_counter()
+    try:
+        with staging(out, marker_suffix=MANIFEST) as tmp:
+            manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache)
+            write_text_atomic(tmp / "build-config.toml", opts.to_toml())
+            manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
+            manifest["artifacts"] = _hash_artifacts(tmp, manifest["artifacts"])
+            write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise BuildError(f"no space left on the device while writing the build into {out}; nothing was left "
+                             "behind: free some space (ANDREA-120M needs about 1.5 GB) and run it again") from None
+        raise
+    return manifest
+
+
+def _load_model(opts: BuildOptions, cfg):
+    from .checkpoint import load_model
+
+    return load_model(opts.checkpoint, cfg, seed=opts.seed)
+
+
+def _claim(out: Path, opts: BuildOptions, force: bool) -> None:
+    """Refuse to write into a folder that holds another build (a different set of options)."""
+    manifest = out / MANIFEST
+    if not manifest.is_file():
+        if out.is_dir() and any(p for p in out.iterdir() if not p.name.startswith(".") and p.name != "timing.cache"):
+            if not force:
+                raise BuildError(f"{out} is not empty and holds no andrea-export build; choose another --out or pass --force")
+        return
+    try:
+        previous = json.loads(manifest.read_text()).get("options", {})
+    except json.JSONDecodeError:
+        previous = None
+    if previous != dataclasses.asdict(opts) and not force:
+        raise BuildError(f"{out} holds another build (see {manifest}); choose another --out, or pass --force to replace it")
+
+
+def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path) -> dict:
+    from .build import build_engine
+    from .export import export_onnx
+    from .passes.gelu_plugin import apply_gelu_plugin
+    from .precision import convert_precision
+
+    cfg = model.cfg
+    artifacts: dict[str, str] = {}
+    export_onnx(model, tmp / "model.onnx")
+    standard = tmp / "model.onnx"
+    if opts.precision != "fp32":
+        with step(f"Converting the graph to {opts.precision} (LayerNorm and softmax stay float32)"):
+            standard = convert_precision(tmp / "model.onnx", tmp / f"model.{opts.precision}.onnx", opts.precision)
+        artifacts["onnx_fp32"] = "model.onnx"
+    artifacts["onnx"] = standard.name
+    with step("Handing every tanh-GELU to the plugin (graph pass)"):
+        plugin_report = apply_gelu_plugin(standard, tmp / standard.name.replace(".onnx", ".plugin.onnx"),
+                                          fuse_bias=opts.fuse_bias)
+    artifacts["onnx_plugin"] = plugin_report.path.name
+    console.print(f"  {plugin_report.summary()}")
+
+    # TensorRT builds the plugin graph (our kernel in the engine); TensorRT-RTX, which has no plugin
+    # layers, the standard graph (native GELU).
+    source = tmp / (artifacts["onnx_plugin"] if builder == "tensorrt" else artifacts["onnx"])
+    result = build_engine(source, tmp / "model.plan", builder=builder, profiles=profiles, opt_level=opts.opt_level,
+                          workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
+                          compute_capabilities=opts.compute_capabilities)
+    artifacts["engine"] = "model.plan"
+    for role, path in (("engine_info", result.sidecar), ("layer_report", result.layer_report)):
+        if path is not None and Path(path).is_file():
+            artifacts[role] = Path(path).name
+
+    report = _verify(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes, opts.greedy_steps)
+    report.save(tmp / "verify.json")
+    artifacts["verify_report"] = "verify.json"
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "tool": {"name": "andrea-export", "version": __version__},
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "status": _status(report),
+        "model": cfg.to_dict(),
+        "weights": model.weights_source,
+        "precision": opts.precision,
+        "builder": {"name": result.builder, "version": result.builder_version,
+                    "compute_capabilities": result.compute_capabilities,
+                    "compute_capabilities_default": result.compute_capabilities_default,
+                    "opt_level": result.opt_level, "tf32": result.tf32, "workspace_mb": result.workspace_mb,
+                    "build_seconds": result.build_seconds, "plugin_layers": result.plugin_layers,
+                    "source_graph": source.name, "warnings": result.warnings},
+        "profiles": [_profile_shapes(p) for p in profiles],
+        "plugin": _plugin_info(plugin_report, builder),
+        "verification": _verification(report),
+        "environment": _environment(),
+        "options": dataclasses.asdict(opts),
+        "artifacts": artifacts,
+    }
+
+
+def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None, greedy_steps=32):
+    """Verify every artifact of a (staged or finished) build folder against the PyTorch model."""
+    from .verify import verify
+
+    runners: dict[str, object] = {"onnxrt": folder / artifacts["onnx"],
+                                  "onnxrt-plugin": folder / artifacts["onnx_plugin"]}
+    skipped = []
+    engine_runner, reason = _engine_runner(folder / artifacts["engine"], engine_info)
+    if engine_runner is not None:
+        runners["engine"] = engine_runner
+    else:
+        skipped.append({"artifact": "engine", "reason": reason})
+    shapes = [tuple(s) for s in shapes] if shapes else None
+    return verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped)
+
+
+def _engine_runner(plan: Path, info: dict):
+    """Polygraphy's TensorRT runner for the engine, or (None, why it cannot run here).
+    `info` is the engine's sidecar (what built it, for which GPUs)."""
+    import os
+
+    from .build import check_engine_compat, gpu_compute_capability
+
+    builder = info["builder"]
+    if gpu_compute_capability() is None:
+        what = "an RTX-class GPU (compute capability 7.5, 8.x or 12.x)" if builder == "tensorrt-rtx" else "a GPU"
+        return None, (f"no GPU on this machine: the {builder} engine needs {what} to run; the exact ONNX that "
+                      "went into the builder was verified on ONNX Runtime instead")
+    try:
+        check_engine_compat(plan, info)
+    except AndreaExportError as e:
+        return None, str(e)
+    if builder == "tensorrt-rtx":
+        os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"  # read by Polygraphy at import; set before it loads TensorRT
+    elif info.get("plugin_layers"):
+        from .plugin.register import register_plugins
+
+        register_plugins()  # AOT plugins need no Python at run time, but Polygraphy deserializes in this process
+    from polygraphy.backend.common import BytesFromPath
+    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
+
+    return TrtRunner(EngineFromBytes(BytesFromPath(str(plan))), name="engine"), ""
+
+
+def _status(report) -> str:
+    engine_ran = not any(s["artifact"] == "engine" for s in report.skipped)
+    return "failed" if not report.passed else ("passed" if engine_ran else "engine-unverified")
+
+
+def _verification(report) -> dict:
+    return {"passed": report.passed, "report": "verify.json",
+            "engine_verified": not any(s["artifact"] == "engine" for s in report.skipped),
+            "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons}}
+
+
+def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shapes=None, greedy_steps: int = 32) -> dict:
+    """Verify a finished build folder again, here: on a GPU host this runs the engine too. Rewrites
+    verify.json and the manifest's status; refuses a folder whose files changed since the build."""
+    from .checkpoint import load_checkpoint, random_init
+    from .config import ModelConfig
+
+    folder = Path(folder)
+    m = read_manifest(folder)
+    altered = verify_artifact_hashes(folder, m)
+    if altered:
+        raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
+    cfg = ModelConfig.from_dict(m["model"], source=f"{folder}/{MANIFEST}")
+    weights = m["weights"]
+    if weights.get("kind") == "random-init" and checkpoint is None:
+        model = random_init(cfg, seed=weights["seed"])
+    elif checkpoint is not None:
+        model = load_checkpoint(checkpoint, cfg)
+        if weights.get("sha256") != model.weights_source["sha256"]:
+            raise BuildError(f"{checkpoint} is not the checkpoint {folder} was built from (sha256 differs)")
+    else:
+        raise BuildError(f"{folder} was built from a checkpoint; pass it (--checkpoint) to verify against it")
+    paths = {role: a["path"] for role, a in m["artifacts"].items()}
+    engine_info = json.loads((folder / paths["engine_info"]).read_text())
+    report = _verify(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
+    report.save(folder / "verify.json")
+    m["status"], m["verification"] = _status(report), _verification(report)
+    m["artifacts"]["verify_report"] = _hash_artifacts(folder, {"verify_report": "verify.json"})["verify_report"]
+    m["verified_on"] = _environment()
+    write_text_atomic(folder / MANIFEST, json.dumps(m, indent=2) + "\n")
+    return m
+
+
+def _profile_shapes(p) -> dict:
+    (bmin, smin), (bopt, sopt), (bmax, smax) = p.shapes()
+    return {"input_ids": {"min": [bmin, smin], "opt": [bopt, sopt], "max": [bmax, smax]}}
+
+
+def _plugin_info(report, builder: str) -> dict:
+    from .plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+    info = {"id": f"{PLUGIN_NAMESPACE}::{GELU_BIAS_OP if report.fuse_bias else GELU_OP}", "version": PLUGIN_VERSION,
+            "calls": report.replaced, "in_engine": builder == "tensorrt",
+            "embedded": builder == "tensorrt"}  # AOT: the kernel's PTX is inside the engine; no library to load
+    try:
+        from .plugin.compile import PLUGIN_ARCH, compile_ptx
+
+        info["kernel"] = compile_ptx(PLUGIN_ARCH).manifest()
+    except AndreaExportError as e:  # NVRTC missing: the graph and the engine do not depend on it
+        info["kernel"] = f"not compiled here: {e}"
+    return info
+
+
+def _environment() -> dict:
+    import importlib.metadata as md
+
+    versions = {}
+    for dist in ("torch", "onnx", "onnxruntime", "polygraphy", "onnx-ir", "tensorrt", "tensorrt-rtx-cu13",
+                 "nvidia-cuda-nvrtc"):
+        try:
+            versions[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
+    from .build import gpu_compute_capability
+
+    return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
+            "gpu_compute_capability": gpu_compute_capability(), "packages": versions}
+
+
+def _hash_artifacts(folder: Path, artifacts: dict[str, str]) -> dict:
+    return {role: {"path": name, "sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+            for role, name in artifacts.items()}
+
+
+def read_manifest(folder: str | Path) -> dict:
+    """The manifest of a build folder, checked for the schema this version understands."""
+    path = Path(folder) / MANIFEST
+    if not path.is_file():
+        raise BuildError(f"{folder}: no {MANIFEST}: not an andrea-export build folder (or the build did not finish)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BuildError(f"{path}: not valid JSON ({e})") from None
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise BuildError(f"{path}: manifest schema {manifest.get('schema_version')!r}; this andrea-export reads {SCHEMA_VERSION}")
+    return manifest
+
+
+def verify_artifact_hashes(folder: str | Path, manifest: dict | None = None) -> list[str]:
+    """Names of artifacts whose bytes no longer match the manifest (empty when the folder is intact)."""
+    folder = Path(folder)
+    manifest = manifest or read_manifest(folder)
+    bad = []
+    for role, a in manifest["artifacts"].items():
+        p = folder / a["path"]
+        if not p.is_file() or p.stat().st_size != a["bytes"] or sha256_file(p) != a["sha256"]:
+            bad.append(a["path"])
+    return bad
+
+
+def print_build_summary(manifest: dict, out: Path) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Build {out}", show_header=True)
+    t.add_column("artifact")
+    t.add_column("file")
+    t.add_column("size", justify="right")
+    for role, a in manifest["artifacts"].items():
+        t.add_row(role, a["path"], f"{a['bytes'] / 1e6:,.1f} MB")
+    console.print(t)
+    b = manifest["builder"]
+    console.print(f"engine: {b['name']} {b['version']}, {manifest['precision']}, targets "
+                  f"{', '.join(b['compute_capabilities']) or 'this GPU'}, built in {b['build_seconds']:.0f} s; "
+                  f"plugin calls in the graph: {manifest['plugin']['calls']}")
+    status = manifest["status"]
+    if status == "passed":
+        console.print("[bold green]PASSED[/]: every artifact, the engine included, matches PyTorch")
+    elif status == "engine-unverified":
+        warn("the ONNX graphs match PyTorch, but the engine itself could not run here: "
+             + "; ".join(s["reason"] for s in manifest["verification"]["skipped"]))
+        console.print("[bold yellow]ENGINE UNVERIFIED[/]: run `andrea-export verify BUILD_DIR` on a GPU host of the target kind")
+    else:
+        console.print("[bold red]FAILED[/]: verification failed; see verify.json. The folder is kept for inspection, "
+                      "and its manifest says failed.")

@@ -1,0 +1,119 @@
+import errno
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from andrea_export.artifacts import sha256_file
+from andrea_export.cli import main
+from andrea_export.errors import BuildError, ConfigError
+from andrea_export.pipeline import BuildOptions, read_manifest, run_build, verify_build
+
+pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+
+
+@pytest.fixture(scope="module")
+def tiny_build(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build") / "tiny"
+    opts = BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=4,
+                        verify_shapes=[[1, 3], [2, 128]])
+    return out, run_build(opts)
+
+
+def test_build_folder_contract(tiny_build):
+    out, manifest = tiny_build
+    assert manifest == read_manifest(out)
+    files = {p.name for p in out.iterdir()}
+    assert {"model.onnx", "model.plugin.onnx", "model.plan", "model.plan.json", "verify.json", "build-config.toml",
+            "manifest.json"} <= files
+    assert not [f for f in files if f.startswith(".")]  # no staging leftovers
+    for role, a in manifest["artifacts"].items():
+        assert sha256_file(out / a["path"]) == a["sha256"], role
+        assert (out / a["path"]).stat().st_size == a["bytes"]
+    assert manifest["schema_version"] == 1 and manifest["model"]["name"] == "andrea-tiny"
+    assert manifest["weights"] == {"kind": "random-init", "seed": 0}
+    assert manifest["builder"]["name"] == "tensorrt-rtx" and manifest["builder"]["source_graph"] == "model.onnx"
+    assert manifest["profiles"] == [{"input_ids": {"min": [1, 1], "opt": [1, 128], "max": [8, 128]}}]
+    assert manifest["plugin"]["id"] == "andrea::TanhGelu" and manifest["plugin"]["calls"] == 2
+    assert {"torch", "onnx", "onnxruntime", "polygraphy"} <= set(manifest["environment"]["packages"])
+
+
+def test_engine_unverified_is_said_plainly_on_a_cpu(tiny_build):
+    out, manifest = tiny_build
+    assert manifest["status"] == "engine-unverified"
+    v = manifest["verification"]
+    assert v["passed"] and not v["engine_verified"]
+    assert v["artifacts"] == {"onnxrt": True, "onnxrt-plugin": True}
+    assert "no GPU on this machine" in v["skipped"][0]["reason"]
+    report = json.loads((out / "verify.json").read_text())
+    assert [c["artifact"] for c in report["comparisons"]] == ["onnxrt", "onnxrt-plugin"]
+
+
+def test_same_folder_other_build_is_refused(tiny_build):
+    out, manifest = tiny_build
+    opts = BuildOptions(**manifest["options"] | {"seed": 7})
+    with pytest.raises(BuildError, match="holds another build .*choose another --out, or pass --force to replace it"):
+        run_build(opts)
+
+
+def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    import andrea_export.build
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(andrea_export.build, "build_engine", disk_full)  # fault injection: a full disk mid-build
+    out = tmp_path / "b"
+    with pytest.raises(BuildError, match="no space left on the device while writing the build into .*nothing was left behind"):
+        run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=0))
+    assert list(out.iterdir()) == []
+
+
+def test_profile_beyond_context_is_refused_before_work(tmp_path):
+    opts = BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", profiles="batch=1:1:4,seq=1:64:256",
+                        out=str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match="profile 'seq': max 256 exceeds the model's context of 128 tokens"):
+        run_build(opts)
+    assert not (tmp_path / "b").exists()
+
+
+def test_build_config_file_round_trip(tiny_build, tmp_path):
+    out, manifest = tiny_build
+    opts = BuildOptions.from_toml(out / "build-config.toml")
+    assert opts == BuildOptions(**manifest["options"])
+    overridden = BuildOptions.from_toml(out / "build-config.toml", precision="fp16", seed=None)
+    assert overridden.precision == "fp16" and overridden.seed == 0
+    bad = tmp_path / "bad.toml"
+    bad.write_text('precison = "fp16"\n')
+    with pytest.raises(ConfigError, match=r"unknown build option\(s\) precison; known: "):
+        BuildOptions.from_toml(bad)
+
+
+def test_verify_build_again_and_tamper_detection(tiny_build, tmp_path):
+    import shutil
+
+    out, _ = tiny_build
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    manifest = verify_build(copy, shapes=[[1, 2]], greedy_steps=2)
+    assert manifest["status"] == "engine-unverified" and manifest["verified_on"]["packages"]
+    with open(copy / "model.plugin.onnx", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(BuildError, match="model.plugin.onnx changed since the build \\(sha256 differs\\); rebuild instead"):
+        verify_build(copy)
+
+
+def test_cli_build_and_inspect(tiny_build):
+    out, _ = tiny_build
+    runner = CliRunner()
+    result = runner.invoke(main, ["inspect", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    d = json.loads(result.output)
+    assert d["status"] == "engine-unverified" and d["integrity"] == "every artifact matches its sha256"
+    result = runner.invoke(main, ["inspect", str(out / "model.plugin.onnx"), "--json"])
+    d = json.loads(result.output)
+    assert d["local_functions"] == ["andrea.TanhGelu"] and d["inputs"] == {"input_ids": "int64 ['batch', 'seq']"}
+    result = runner.invoke(main, ["inspect", str(out / "model.plan"), "--json"])
+    assert json.loads(result.output)["built"]["builder"] == "tensorrt-rtx"
+    result = runner.invoke(main, ["inspect", str(out / "build-config.toml")])
+    assert result.exit_code == 1 and "cannot inspect a '.toml' file" in result.output
