@@ -210,3 +210,42 @@ def inspect(path, as_json):
         click.echo(_json.dumps(d, indent=2))
     else:
         print_description(d)
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--triton", "repo", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The Triton model repository to write into (created if missing; other models are left alone).")
+@click.option("--name", default=None, help="Model name (= folder name). Default: <model>-<precision>-trt|onnx.")
+@click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
+              help="tensorrt: serve the engine; onnxruntime: serve the standard ONNX; auto: the engine when it is a "
+                   "TensorRT (not TensorRT-RTX) plan and --kind gpu, else the ONNX.")
+@click.option("--max-batch-size", type=click.IntRange(min=0), default=None,
+              help="Triton's max_batch_size (0: no batching). Default: the engine profiles' largest batch.")
+@click.option("--max-queue-delay-us", type=click.IntRange(min=0), default=0, show_default=True,
+              help="How long the dynamic batcher may hold a request to grow a batch.")
+@click.option("--dynamic-batching/--no-dynamic-batching", default=True, show_default=True)
+@click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Model instances (per GPU with --kind gpu).")
+@click.option("--kind", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
+              help="Instance kind: KIND_GPU or KIND_CPU (ONNX Runtime only).")
+@click.option("--overwrite", is_flag=True, help="Replace REPO/NAME if it exists.")
+@click.option("--allow-failed", is_flag=True, help="Package a build whose verification failed.")
+@click.option("--copy", "copy_files", is_flag=True, help="Copy the artifact instead of hard-linking it.")
+@_user_errors
+def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances, kind,
+            overwrite, allow_failed, copy_files):
+    """Package a build folder for Triton Inference Server: REPO/NAME/config.pbtxt + REPO/NAME/1/model.plan|onnx.
+
+    The config is written from Triton's own ModelConfig message (needs the 'triton' extra). The engine's
+    tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. Run the server with
+    `tritonserver --model-repository=REPO`; see docs/deploying.md.
+    """
+    from .triton import write_triton_repo
+
+    model_dir = write_triton_repo(
+        build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
+        dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us, instances=instances, kind=kind,
+        overwrite=overwrite, allow_failed=allow_failed, hardlink=not copy_files,
+    )
+    click.echo(model_dir)
