@@ -249,3 +249,50 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
         overwrite=overwrite, allow_failed=allow_failed, hardlink=not copy_files,
     )
     click.echo(model_dir)
+
+
+@main.command()
+@click.argument("build", type=click.Path(exists=True, path_type=Path))
+@click.option("--prompt-ids", help="Prompt token ids, comma- or space-separated, e.g. '464,3290,318'.")
+@click.option("--prompt", "prompt_text", help="Text prompt (needs --tokenizer).")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A tokenizer.json (Hugging Face `tokenizers`; the 'text' extra): encodes --prompt, decodes the output.")
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--strategy", type=click.Choice(["greedy", "top-k", "top-p"]), default="greedy", show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=int, default=50, show_default=True)
+@click.option("--top-p", type=float, default=0.9, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed for top-k/top-p sampling (reproducible output).")
+@click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
+              help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime.")
+@_user_errors
+def generate(build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy, temperature, top_k, top_p, seed,
+             stop_ids, backend):
+    """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
+
+    Prints the new token ids (and the text, with --tokenizer). The cache stays on the device between
+    steps; prompts that do not fit the context, empty prompts and ids outside the vocabulary are
+    refused before anything runs.
+    """
+    from . import runtime
+    from .errors import require
+
+    tok = require("tokenizers", "text", "--tokenizer").Tokenizer.from_file(str(tokenizer)) if tokenizer else None
+    if (prompt_ids is None) == (prompt_text is None):
+        raise click.UsageError("give exactly one of --prompt-ids or --prompt")
+    if prompt_text is not None:
+        if tok is None:
+            raise click.UsageError("--prompt needs --tokenizer")
+        ids = tok.encode(prompt_text).ids
+    else:
+        try:
+            ids = [int(x) for x in prompt_ids.replace(",", " ").split()]
+        except ValueError:
+            raise click.BadParameter(f"not a list of integers: {prompt_ids!r}", param_hint="--prompt-ids") from None
+    with runtime.load(build, backend=backend) as sess:
+        new = sess.generate(ids, max_new_tokens, strategy=strategy, temperature=temperature, top_k=top_k,
+                            top_p=top_p, seed=seed, stop_ids=stop_ids)
+    click.echo(" ".join(map(str, new)))
+    if tok is not None:
+        click.echo(tok.decode(new))

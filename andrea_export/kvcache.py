@@ -1,0 +1,326 @@
+"""The decoder graph with a KV cache: its I/O layout (one place, as data), its export, and the two TensorRT
+optimization profiles (prefill, decode) that engines built from it use.
+
+One graph serves both phases; only the shapes differ:
+
+    inputs   input_ids                 int64   [batch, new_tokens]
+             attention_mask            int64   [batch, past_len + new_tokens]   1 = real token, 0 = padding
+             past_key_values.{i}.key   float32 [batch, n_head, past_len, head_dim]   i = 0 .. n_layer-1
+             past_key_values.{i}.value float32 [batch, n_head, past_len, head_dim]
+    outputs  logits                    float32 [batch, new_tokens, vocab_size]
+             present.{i}.key           float32 [batch, n_head, past_len + new_tokens, head_dim]
+             present.{i}.value         float32 [batch, n_head, past_len + new_tokens, head_dim]
+
+Prefill passes a past of length 0 (a tensor with an empty axis) and the whole prompt; decode passes the
+previous step's `present.*` as `past_key_values.*` and one token. Positions are not an input: the graph
+derives them from the mask (position = number of real tokens before it), so left-padded batches get the
+positions an unpadded sequence would. The names are those of Hugging Face Optimum / onnxruntime-genai
+exports, so their tooling and Triton configurations read the graph without a mapping table.
+
+The layout travels in the ONNX metadata as JSON under `andrea.kv_layout` (beside `andrea.config`), so a
+runtime needs only the file. Why one graph with a dynamic past instead of two graphs: one set of weights
+(369 MB for ANDREA-120M, not twice), one file to verify; TensorRT gets the two shape regimes as two
+optimization profiles of one engine (`optimization_profiles`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import onnx
+import torch
+from torch import nn
+
+from .artifacts import staging
+from .config import ModelConfig
+from .errors import ExportError
+from .export import CONFIG_KEY, EXTERNAL_DATA_ABOVE, OPSET, WEIGHTS_KEY, _quiet_exporter, check_onnx
+from .model import Andrea
+from .progress import step
+
+DECODER_FILE = "decoder.onnx"  # its name inside a build folder
+KV_LAYOUT_KEY = "andrea.kv_layout"
+LAYOUT_VERSION = 1
+
+INPUT_IDS = "input_ids"
+ATTENTION_MASK = "attention_mask"
+LOGITS = "logits"
+
+# Symbolic axis names, as written into the ONNX graph.
+BATCH, NEW, PAST, TOTAL = "batch", "new_tokens", "past_len", "past_len + new_tokens"
+
+
+def past_name(layer: int, kind: str) -> str:
+    """`past_key_values.{layer}.{kind}`, kind 'key' or 'value'."""
+    return f"past_key_values.{layer}.{kind}"
+
+
+def present_name(layer: int, kind: str) -> str:
+    """`present.{layer}.{kind}`, kind 'key' or 'value'."""
+    return f"present.{layer}.{kind}"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str  # numpy spelling: "int64", "float32"
+    shape: tuple  # ints and symbolic axis names
+
+
+@dataclasses.dataclass(frozen=True)
+class KVLayout:
+    """The decoder graph's I/O for one model config; `to_dict()` is what goes into the ONNX metadata."""
+
+    n_layer: int
+    n_head: int
+    head_dim: int
+    vocab_size: int
+    n_positions: int
+    cache_dtype: str = "float32"
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, cache_dtype: str = "float32") -> KVLayout:
+        return cls(cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.vocab_size, cfg.n_positions, cache_dtype)
+
+    @property
+    def past_names(self) -> list[str]:
+        return [past_name(i, k) for i in range(self.n_layer) for k in ("key", "value")]
+
+    @property
+    def present_names(self) -> list[str]:
+        return [present_name(i, k) for i in range(self.n_layer) for k in ("key", "value")]
+
+    @property
+    def inputs(self) -> list[TensorSpec]:
+        kv = (BATCH, self.n_head, PAST, self.head_dim)
+        return [TensorSpec(INPUT_IDS, "int64", (BATCH, NEW)), TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL))] + [
+            TensorSpec(n, self.cache_dtype, kv) for n in self.past_names
+        ]
+
+    @property
+    def outputs(self) -> list[TensorSpec]:
+        kv = (BATCH, self.n_head, TOTAL, self.head_dim)
+        return [TensorSpec(LOGITS, "float32", (BATCH, NEW, self.vocab_size))] + [
+            TensorSpec(n, self.cache_dtype, kv) for n in self.present_names
+        ]
+
+    @property
+    def feedback(self) -> dict[str, str]:
+        """present output -> the past input it feeds at the next step."""
+        return dict(zip(self.present_names, self.past_names))
+
+    def to_dict(self) -> dict:
+        return {
+            "version": LAYOUT_VERSION,
+            "n_layer": self.n_layer,
+            "n_head": self.n_head,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab_size,
+            "n_positions": self.n_positions,
+            "cache_dtype": self.cache_dtype,
+            "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in self.inputs],
+            "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in self.outputs],
+            "feedback": self.feedback,
+            "attention_mask": "1 = real token, 0 = padding (pad on the left); covers past and new tokens",
+            "positions": "derived in the graph: cumsum(attention_mask) - 1 over real tokens",
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "kv layout") -> KVLayout:
+        if not isinstance(data, dict) or data.get("version") != LAYOUT_VERSION:
+            version = data.get("version") if isinstance(data, dict) else None
+            raise ExportError(f"{source}: unsupported KV layout version {version!r} (this toolkit reads {LAYOUT_VERSION})")
+        fields = [f.name for f in dataclasses.fields(cls)]
+        try:
+            layout = cls(**{f: data[f] for f in fields})
+        except KeyError as e:
+            raise ExportError(f"{source}: KV layout lacks the field {e.args[0]!r}") from None
+        if layout.to_dict() != data:  # names/shapes recorded by another writer: refuse rather than guess
+            raise ExportError(f"{source}: KV layout does not match the one this toolkit writes for its sizes")
+        return layout
+
+
+def kv_layout(cfg: ModelConfig) -> KVLayout:
+    return KVLayout.from_config(cfg)
+
+
+class _DecoderStep(nn.Module):
+    """forward(input_ids, attention_mask, *past) -> (logits, *present), flat in layout order.
+
+    Registers the model's children under their own names, so initializer names match `export_onnx`'s
+    (`wte.weight`, `h.0.attn.c_attn.weight`, ...)."""
+
+    def __init__(self, model: Andrea):
+        super().__init__()
+        for name, child in model.named_children():
+            self.add_module(name, child)
+        self._step = model.forward_with_cache
+
+    def forward(self, input_ids, attention_mask, *past):
+        pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
+        logits, present = self._step(input_ids, pairs, attention_mask)
+        return (logits, *[t for kv in present for t in kv])
+
+
+def export_decoder_onnx(
+    model: Andrea,
+    out: str | Path,
+    *,
+    opset: int = OPSET,
+    external_data: bool | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Export `model` as the KV-cache decoder graph (layout above) to `out` and check the result.
+
+    The graph is traced with past_len=4, new_tokens=3, batch=2 (torch.export specializes axes whose example
+    size is 0 or 1); the tests run it with past_len 0 and 1 and new_tokens 1 in ONNX Runtime. Written in a
+    temporary folder and moved in when complete; `andrea.config` and `andrea.kv_layout` go into the metadata.
+    """
+    if opset < 20:
+        raise ExportError(f"opset {opset} is too old: tanh-GELU is one ONNX Gelu node only from opset 20")
+    out = Path(out)
+    cfg = model.cfg
+    layout = kv_layout(cfg)
+    model = model.float().cpu().eval()
+    if external_data is None:
+        external_data = sum(p.numel() * 4 for p in model.parameters()) > EXTERNAL_DATA_ABOVE
+    if cfg.n_positions < 8:
+        raise ExportError(f"model config '{cfg.name}': n_positions {cfg.n_positions} is too small to trace the decoder (needs 8)")
+    B, T, P = 2, 3, 4
+    ids = torch.zeros(B, T, dtype=torch.long)
+    mask = torch.ones(B, P + T, dtype=torch.long)
+    past = tuple(torch.zeros(B, cfg.n_head, P, cfg.head_dim) for _ in layout.past_names)
+    batch = torch.export.Dim(BATCH, max=4096)
+    new = torch.export.Dim(NEW, max=cfg.n_positions)
+    plen = torch.export.Dim(PAST, max=cfg.n_positions)
+    dynamic = (
+        {0: batch, 1: new},
+        {0: batch, 1: torch.export.Dim.DYNAMIC},  # = past_len + new_tokens; torch.export infers the relation
+        tuple({0: batch, 2: plen} for _ in past),  # *past is one (varargs) entry
+    )
+    with step(f"Exporting {cfg.name} KV-cache decoder to ONNX (opset {opset})", quiet), _quiet_exporter():
+        program = torch.onnx.export(
+            _DecoderStep(model), (ids, mask, *past), dynamo=True, opset_version=opset,
+            input_names=[t.name for t in layout.inputs], output_names=[t.name for t in layout.outputs],
+            dynamic_shapes=dynamic, optimize=True, verbose=False,
+        )
+        assert program is not None  # dynamo=True always returns a program
+        _name_axes(program.model, layout)
+        program.model.metadata_props[CONFIG_KEY] = json.dumps(cfg.to_dict(), sort_keys=True)
+        program.model.metadata_props[KV_LAYOUT_KEY] = json.dumps(layout.to_dict(), sort_keys=True)
+        program.model.metadata_props[WEIGHTS_KEY] = json.dumps(getattr(model, "weights_source", {}), sort_keys=True)
+        program.model.producer_name = "andrea-export"
+    with step(f"Writing and checking {out.name}", quiet), staging(out.parent) as tmp:
+        program.save(tmp / out.name, external_data=external_data)
+        check_decoder_onnx(tmp / out.name)
+    return out
+
+
+def _name_axes(ir_model, layout: KVLayout) -> None:
+    """Give every axis of the graph I/O the layout's symbolic name (the exporter invents e.g. 's53' for the mask)."""
+    import onnx_ir as ir
+
+    specs = {t.name: t for t in layout.inputs + layout.outputs}
+    renames: dict[str | None, str] = {}
+    for v in list(ir_model.graph.inputs) + list(ir_model.graph.outputs):
+        for got, want in zip(v.shape, specs[str(v.name)].shape):
+            if isinstance(want, str) and isinstance(got, ir.SymbolicDim) and got.value != want:
+                renames[got.value] = want
+    if not renames:
+        return
+    for v in _all_values(ir_model.graph):
+        if v.shape is not None and any(isinstance(d, ir.SymbolicDim) and d.value in renames for d in v.shape):
+            v.shape = ir.Shape([renames.get(d.value, d.value) if isinstance(d, ir.SymbolicDim) else d for d in v.shape])
+
+
+def _all_values(graph):
+    yield from graph.inputs
+    for node in graph:
+        yield from node.outputs
+
+
+def read_kv_layout(path: str | Path) -> KVLayout:
+    """The layout recorded in a decoder ONNX file's metadata (`andrea.kv_layout`)."""
+    meta = {p.key: p.value for p in check_onnx(path).metadata_props}
+    if KV_LAYOUT_KEY not in meta:
+        raise ExportError(
+            f"{path}: has no '{KV_LAYOUT_KEY}' metadata: not a KV-cache decoder graph "
+            f"(export one with andrea_export.kvcache.export_decoder_onnx)"
+        )
+    return KVLayout.from_dict(json.loads(meta[KV_LAYOUT_KEY]), source=f"{path} metadata")
+
+
+def check_decoder_onnx(path: str | Path) -> KVLayout:
+    """check_onnx, then: the graph's inputs and outputs are exactly the recorded layout (names, types, ranks,
+    fixed sizes). Returns the layout."""
+    proto = check_onnx(path)
+    layout = read_kv_layout(path)
+    for kind, got, want in (("input", proto.graph.input, layout.inputs), ("output", proto.graph.output, layout.outputs)):
+        got_names = [v.name for v in got]
+        if got_names != [t.name for t in want]:
+            raise ExportError(f"{path}: graph {kind}s {got_names} differ from the KV layout's {[t.name for t in want]}")
+        for v, t in zip(got, want):
+            tt = v.type.tensor_type
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name
+            dims = tuple(d.dim_param if d.HasField("dim_param") else d.dim_value for d in tt.shape.dim)
+            if dtype != t.dtype or dims != t.shape:
+                raise ExportError(f"{path}: {kind} '{v.name}' is {dtype}{list(dims)}, the KV layout says {t.dtype}{list(t.shape)}")
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TensorRT optimization profiles
+# ---------------------------------------------------------------------------------------------------------
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+def optimization_profiles(
+    cfg: ModelConfig | KVLayout,
+    *,
+    max_batch: int = 1,
+    opt_batch: int = 1,
+    prefill_opt_tokens: int | None = None,
+    decode_opt_past: int | None = None,
+) -> list[dict]:
+    """The two optimization profiles of a decoder engine, in this order (profile index 0, 1):
+
+    - `prefill`: the prompt, no past. input_ids [b, 1..n_positions], past_len = 0 (empty past tensors).
+    - `decode`: one new token after a past of 1..n_positions-1 tokens.
+
+    Each profile is `{"name": str, "shapes": {input name: {"min": [...], "opt": [...], "max": [...]}}}`
+    covering every graph input; the builder passes them to `IOptimizationProfile.set_shape` as they are.
+    `opt` defaults: prefill at n_positions // 4 tokens (a typical prompt), decode at a past of
+    n_positions // 2 (the middle of a long generation). A runtime selects the profile per phase
+    (`IExecutionContext.set_optimization_profile_async`, or one execution context per profile).
+    A prompt continued after a past (multi-turn, chunked prefill: new_tokens > 1 and past_len > 0) fits
+    neither profile; such use needs a third profile or prefill of the whole conversation.
+    """
+    layout = cfg if isinstance(cfg, KVLayout) else kv_layout(cfg)
+    n = layout.n_positions
+    if not 1 <= opt_batch <= max_batch:
+        raise ExportError(f"optimization profiles: need 1 <= opt_batch ({opt_batch}) <= max_batch ({max_batch})")
+    t_opt = prefill_opt_tokens if prefill_opt_tokens is not None else max(1, n // 4)
+    p_opt = decode_opt_past if decode_opt_past is not None else max(1, n // 2)
+    if not 1 <= t_opt <= n:
+        raise ExportError(f"optimization profiles: prefill_opt_tokens {t_opt} must be in 1..{n} (n_positions)")
+    if not 1 <= p_opt <= n - 1:
+        raise ExportError(f"optimization profiles: decode_opt_past {p_opt} must be in 1..{n - 1} (n_positions - 1)")
+    H, D = layout.n_head, layout.head_dim
+
+    def shapes(tok: tuple[int, int, int], past: tuple[int, int, int]) -> dict:
+        batches = (1, opt_batch, max_batch)
+        prof = {
+            INPUT_IDS: [[b, t] for b, t in zip(batches, tok)],
+            ATTENTION_MASK: [[b, p + t] for b, p, t in zip(batches, past, tok)],
+        }
+        for name in layout.past_names:
+            prof[name] = [[b, H, p, D] for b, p in zip(batches, past)]
+        return {k: dict(zip(("min", "opt", "max"), v)) for k, v in prof.items()}
+
+    return [
+        {"name": PREFILL, "shapes": shapes((1, t_opt, n), (0, 0, 0))},
+        {"name": DECODE, "shapes": shapes((1, 1, 1), (1, p_opt, n - 1))},
+    ]

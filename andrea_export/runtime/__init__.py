@@ -1,0 +1,88 @@
+"""Run an exported decoder: `load(path, backend)` -> Session with `forward(ids)` and `generate(prompt, ...)`.
+
+    from andrea_export import runtime
+    sess = runtime.load("andrea-build/")              # a build folder, or a decoder .onnx file
+    new_ids = sess.generate([1, 2, 3], max_new_tokens=32, strategy="top-p", top_p=0.9, seed=0)
+
+Backends: `onnxruntime` (any machine; CUDA provider when present) and `tensorrt` (GPU hosts, an engine
+built from the same graph). `auto` takes TensorRT when the folder has an engine and TensorRT imports,
+else ONNX Runtime. The model config and the cache layout come from the ONNX metadata, so a folder needs
+nothing but the graph (and the engine, for TensorRT).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..export import read_config
+from ..kvcache import DECODER_FILE, check_decoder_onnx
+from .base import InputError, Session, check_ids
+from .sampling import STRATEGIES, Sampling, next_token
+
+BACKENDS = ("auto", "onnxruntime", "tensorrt")
+ENGINE_FILE = "decoder.plan"  # the decoder engine inside a build folder (name to be fixed by the build manifest)
+
+__all__ = ["BACKENDS", "STRATEGIES", "InputError", "Sampling", "Session", "check_ids", "load", "next_token"]
+
+
+def _tensorrt_importable() -> bool:
+    try:
+        import tensorrt as trt
+    except ImportError:
+        return False
+    return hasattr(trt, "Runtime")  # `tensorrt-stubs` alone makes `import tensorrt` succeed as an empty namespace
+
+
+def _resolve(path: Path) -> tuple[Path, Path | None]:
+    """(decoder ONNX, engine or None) for a build folder or a direct file path."""
+    if path.is_dir():
+        onnx_path = path / DECODER_FILE
+        if not onnx_path.is_file():
+            raise InputError(f"{path}: no KV-cache decoder graph in this build folder (expected {DECODER_FILE})")
+        engine = path / ENGINE_FILE
+        return onnx_path, engine if engine.is_file() else None
+    if path.is_file():
+        if path.suffix in (".plan", ".engine"):
+            onnx_path = path.parent / DECODER_FILE
+            if not onnx_path.is_file():
+                raise InputError(f"{path}: a TensorRT engine needs its {DECODER_FILE} beside it (for the model config and cache layout)")
+            return onnx_path, path
+        return path, None
+    raise InputError(f"no such build folder or ONNX file: {path}")
+
+
+def load(
+    path: str | Path,
+    backend: str = "auto",
+    *,
+    providers: list[str] | None = None,
+    intra_op_threads: int | None = None,
+    cuda_graph: bool = True,
+) -> Session:
+    """A Session for the decoder in `path` (a build folder with `decoder.onnx`, or the .onnx file itself).
+
+    Args:
+        backend: "auto", "onnxruntime" or "tensorrt".
+        providers: ONNX Runtime execution providers (default: CUDA if available, then CPU).
+        intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
+        cuda_graph: TensorRT only: replay the decode step as a CUDA graph (see runtime/trt.py).
+    """
+    if backend not in BACKENDS:
+        raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    onnx_path, engine = _resolve(Path(path))
+    layout = check_decoder_onnx(onnx_path)  # ExportError with a clear message for a graph without the KV layout
+    cfg = read_config(onnx_path)
+    if backend == "auto":
+        backend = "tensorrt" if engine is not None and _tensorrt_importable() else "onnxruntime"
+    if backend == "tensorrt":
+        if engine is None:
+            raise InputError(
+                f"{path}: backend 'tensorrt' needs a decoder engine ({ENGINE_FILE}); "
+                f"this has only the ONNX graph (build one with `andrea-export build`)"
+            )
+        from .trt import TrtSession
+
+        return TrtSession(engine, cfg, layout, cuda_graph=cuda_graph)
+    from .ort import OrtSession
+
+    return OrtSession(onnx_path, cfg, layout, providers=providers, intra_op_threads=intra_op_threads)

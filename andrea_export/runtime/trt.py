@@ -1,0 +1,289 @@
+"""TensorRT backend (GPU hosts only): the decoder engine built from `decoder.onnx` with the two
+optimization profiles of `kvcache.optimization_profiles` (prefill, decode). Kept thin; it cannot run on
+the CPU-only development machines, and its tests are skipped there.
+
+Memory: every device buffer is allocated once, in __init__, sized for the largest shapes the profiles
+allow (batch 1: n_positions tokens); no step allocates. TensorRT writes straight into them
+(`set_tensor_address`), and the host sees only the token id going in and the logits coming out.
+
+One execution context per profile, each keeping its own profile selected.
+
+Decode has two modes:
+
+- `cuda_graph=False`: the cache grows by one each step. Two sets of cache buffers, A and B, alternate:
+  step with past P reads set P % 2 and writes `present` (P+1 long) into the other. Shapes change every
+  step, so no CUDA graph.
+- `cuda_graph=True` (default): fixed shapes, so the step is captured once as a CUDA graph and replayed.
+  The past is always n_positions-1 slots long; slots not yet filled are masked out by `attention_mask`
+  (0), and the new token is the last position. Attention ignores key order and the graph derives positions
+  from the mask, so this computes the same function as the growing cache. After each replay the new
+  token's key/value (last slot of `present`) is copied into slot P of the past (2 x n_layer small strided
+  copies). Trade-off: every step attends over n_positions keys, but a batch-1 decode on a GPU is bound by
+  kernel launches, which the graph removes. If capture fails (an engine that cannot be captured), the
+  same fixed-shape step runs through execute_async_v3 and `cuda_graph_active` says so.
+
+Written against the TensorRT 10 Python API (execute_async_v3, set_input_shape, set_tensor_address,
+set_optimization_profile_async) and cuda-python's runtime bindings; TensorRT-RTX (`tensorrt_rtx`) exposes
+the same calls.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import AndreaExportError, MissingDependency, require
+from ..kvcache import ATTENTION_MASK, DECODE, INPUT_IDS, LOGITS, PREFILL, KVLayout
+from .base import InputError, Session
+
+
+def _tensorrt():
+    """`tensorrt`, else `tensorrt_rtx`; MissingDependency if neither is usable."""
+    try:
+        import tensorrt as trt
+
+        if hasattr(trt, "Runtime"):  # `tensorrt-stubs` alone leaves an empty namespace package
+            return trt
+    except ImportError:
+        pass
+    try:
+        import tensorrt_rtx as trt
+
+        return trt
+    except ImportError as e:
+        raise MissingDependency(
+            "The TensorRT runtime needs the Python module 'tensorrt' (or 'tensorrt_rtx'), which could not be "
+            "imported. Install it with: pip install 'andrea-export[tensorrt]'"
+        ) from e
+
+
+def _cudart():
+    try:
+        from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
+    except ImportError:
+        cudart = require("cuda.cudart", "gpu", "The TensorRT runtime")  # older cuda-python
+    return cudart
+
+
+class CudaError(AndreaExportError):
+    """A CUDA runtime call failed."""
+
+
+def _ok(cudart, result, what: str):
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if err != cudart.cudaError_t.cudaSuccess:
+        raise CudaError(f"{what} failed: {err}")
+    return values[0] if len(values) == 1 else values
+
+
+class TrtSession(Session):
+    backend = "tensorrt"
+
+    def __init__(self, engine_path: str | Path, cfg: ModelConfig, layout: KVLayout, *, cuda_graph: bool = True):
+        super().__init__(cfg, layout, str(engine_path))
+        self.trt = trt = _tensorrt()
+        self.cudart = rt = _cudart()
+        self._buffers: list[int] = []
+        self.cuda_stream: int | None = None
+        self._graph_exec = None
+        self.cuda_graph_active = False
+        self.cuda_graph_error: str | None = None
+
+        self.cuda_stream = int(_ok(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
+        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        self.engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
+        if self.engine is None:
+            raise InputError(f"{engine_path}: TensorRT could not deserialize this engine (see the log above)")
+        self._check_engine()
+
+        self.contexts = {}
+        for name, index in self._profile_indices().items():
+            ctx = self.engine.create_execution_context()
+            if not ctx.set_optimization_profile_async(index, self.cuda_stream):
+                raise InputError(f"{engine_path}: cannot select optimization profile {index} ({name})")
+            self.contexts[name] = ctx
+        self._sync()
+
+        n, H, D, V = cfg.n_positions, layout.n_head, layout.head_dim, layout.vocab_size
+        f32 = 4
+        self._ids = self._alloc(n * 8)
+        self._mask_ones = self._alloc(n * 8)  # all ones: prefill and the growing-cache decode
+        self._upload(self._mask_ones, np.ones(n, dtype=np.int64))
+        self._logits = self._alloc(n * V * f32)
+        self._host_logits = np.empty((n, V), dtype=np.float32)
+        self._tok = np.zeros(1, dtype=np.int64)  # host sources of async copies live as long as the session
+        self._one = np.ones(1, dtype=np.int64)
+        self._len = 0
+        self.static = cuda_graph
+        kv = H * n * D * f32  # one cache tensor at full length
+        self._present = [self._alloc(kv) for _ in layout.present_names]
+        if self.static:
+            self._past = [self._alloc(H * (n - 1) * D * f32) for _ in layout.past_names]
+            for p in self._past:  # unfilled slots are masked, but weights of 0 times a NaN would still be NaN
+                _ok(rt, rt.cudaMemsetAsync(p, 0, H * (n - 1) * D * f32, self.cuda_stream), "cudaMemsetAsync")
+            self._mask_static = self._alloc(n * 8)
+            # valid ids and mask before the warm-up run: garbage ids would index the embedding out of bounds
+            self._upload(self._ids, np.zeros(n, dtype=np.int64))
+            self._upload(self._mask_static, np.eye(1, n, n - 1, dtype=np.int64)[0])
+            self._bind_static_decode()
+            self._capture()
+        else:
+            self._past_b = [self._alloc(kv) for _ in layout.past_names]  # set B; set A is self._present
+
+    # -- setup -------------------------------------------------------------------------------------------
+    def _check_engine(self):
+        names = {self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)}
+        want = {t.name for t in self.layout.inputs + self.layout.outputs}
+        if names != want:
+            raise InputError(
+                f"{self.source}: engine I/O {sorted(names)} is not the KV-cache decoder layout {sorted(want)}"
+            )
+        if self.engine.num_optimization_profiles < 2:
+            raise InputError(
+                f"{self.source}: the engine has {self.engine.num_optimization_profiles} optimization profile(s); "
+                f"the runtime needs the prefill and decode profiles (kvcache.optimization_profiles)"
+            )
+
+    def _profile_indices(self) -> dict[str, int]:
+        """Which profile is prefill (past max 0, many tokens) and which decode (1 token, long past)."""
+        found: dict[str, int] = {}
+        past0 = self.layout.past_names[0]
+        n = self.cfg.n_positions
+        for i in range(self.engine.num_optimization_profiles):
+            _, _, past_max = self.engine.get_tensor_profile_shape(past0, i)
+            ids_min, _, ids_max = self.engine.get_tensor_profile_shape(INPUT_IDS, i)
+            if past_max[2] == 0 and ids_max[1] >= n:
+                found.setdefault(PREFILL, i)
+            elif ids_min[1] <= 1 <= ids_max[1] and past_max[2] >= n - 1:
+                found.setdefault(DECODE, i)
+        missing = [p for p in (PREFILL, DECODE) if p not in found]
+        if missing:
+            raise InputError(
+                f"{self.source}: no optimization profile fits {', '.join(missing)} "
+                f"(see kvcache.optimization_profiles for the shapes the runtime needs)"
+            )
+        return found
+
+    def _alloc(self, nbytes: int) -> int:
+        ptr = _ok(self.cudart, self.cudart.cudaMalloc(max(nbytes, 256)), "cudaMalloc")
+        self._buffers.append(ptr)
+        return int(ptr)
+
+    def _upload(self, dst: int, host: np.ndarray, offset: int = 0):
+        rt = self.cudart
+        _ok(rt, rt.cudaMemcpyAsync(dst + offset, host.ctypes.data, host.nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice,
+                                   self.cuda_stream), "cudaMemcpyAsync H2D")
+
+    def _sync(self):
+        _ok(self.cudart, self.cudart.cudaStreamSynchronize(self.cuda_stream), "cudaStreamSynchronize")
+
+    def _bind(self, ctx, shapes: dict[str, tuple], addresses: dict[str, int]):
+        for name, shape in shapes.items():
+            if not ctx.set_input_shape(name, shape):
+                raise CudaError(f"TensorRT refused shape {list(shape)} for '{name}' (outside the profile?)")
+        for name, ptr in addresses.items():
+            if not ctx.set_tensor_address(name, ptr):
+                raise CudaError(f"TensorRT refused the address of '{name}'")
+
+    def _execute(self, ctx):
+        if not ctx.execute_async_v3(self.cuda_stream):
+            raise CudaError("TensorRT execute_async_v3 failed (see the log above)")
+
+    def _bind_static_decode(self):
+        L, n, H, D = self.layout, self.cfg.n_positions, self.layout.n_head, self.layout.head_dim
+        shapes = {INPUT_IDS: (1, 1), ATTENTION_MASK: (1, n), **{p: (1, H, n - 1, D) for p in L.past_names}}
+        addresses = {INPUT_IDS: self._ids, ATTENTION_MASK: self._mask_static, LOGITS: self._logits,
+                     **dict(zip(L.past_names, self._past)), **dict(zip(L.present_names, self._present))}
+        self._bind(self.contexts[DECODE], shapes, addresses)
+
+    def _capture(self):
+        """Run the fixed-shape decode step once (TensorRT finishes shape-dependent setup on the first
+        enqueue), then capture it as a CUDA graph."""
+        rt, ctx = self.cudart, self.contexts[DECODE]
+        self._execute(ctx)
+        self._sync()
+        try:
+            _ok(rt, rt.cudaStreamBeginCapture(self.cuda_stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+                "cudaStreamBeginCapture")
+            try:
+                self._execute(ctx)
+            finally:
+                graph = _ok(rt, rt.cudaStreamEndCapture(self.cuda_stream), "cudaStreamEndCapture")
+            self._graph_exec = _ok(rt, rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+            _ok(rt, rt.cudaGraphDestroy(graph), "cudaGraphDestroy")
+            self.cuda_graph_active = True
+        except CudaError as e:  # e.g. an engine with data-dependent shapes: run the same step uncaptured
+            self.cuda_graph_error = str(e)
+            rt.cudaGetLastError()
+
+    # -- steps -------------------------------------------------------------------------------------------
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        L, H, D, T = self.layout, self.layout.n_head, self.layout.head_dim, len(ids)
+        rt = self.cudart
+        self._upload(self._ids, np.asarray(ids, dtype=np.int64))
+        present = self._present if (self.static or T % 2 == 0) else self._past_b  # dynamic: set T % 2
+        shapes = {INPUT_IDS: (1, T), ATTENTION_MASK: (1, T), **{p: (1, H, 0, D) for p in L.past_names}}
+        addresses = {INPUT_IDS: self._ids, ATTENTION_MASK: self._mask_ones, LOGITS: self._logits,
+                     **{p: self._logits for p in L.past_names},  # empty tensors: any valid address
+                     **dict(zip(L.present_names, present))}
+        self._bind(self.contexts[PREFILL], shapes, addresses)
+        self._execute(self.contexts[PREFILL])
+        if self.static:  # scatter the prompt's keys/values into slots 0..T-1 of the fixed-length past
+            n, f32 = self.cfg.n_positions, 4
+            for src, dst in zip(self._present, self._past):
+                _ok(rt, rt.cudaMemcpy2DAsync(dst, (n - 1) * D * f32, src, T * D * f32, T * D * f32, H,
+                                             rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.cuda_stream), "cudaMemcpy2DAsync")
+            mask = np.zeros(n, dtype=np.int64)
+            mask[:T] = 1
+            mask[-1] = 1  # the new token's own slot
+            self._upload(self._mask_static, mask)
+        self._len = T
+        return self._download(T)
+
+    def _decode(self, token: int) -> np.ndarray:
+        rt, L, P = self.cudart, self.layout, self._len
+        H, D, n, f32 = L.n_head, L.head_dim, self.cfg.n_positions, 4
+        self._tok[0] = token
+        self._upload(self._ids, self._tok)
+        if self.static:
+            if self._graph_exec is not None:
+                _ok(rt, rt.cudaGraphLaunch(self._graph_exec, self.cuda_stream), "cudaGraphLaunch")
+            else:
+                self._execute(self.contexts[DECODE])
+            for src, dst in zip(self._present, self._past):  # new key/value (last slot) -> past slot P
+                _ok(rt, rt.cudaMemcpy2DAsync(dst + P * D * f32, (n - 1) * D * f32, src + (n - 1) * D * f32, n * D * f32,
+                                             D * f32, H, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.cuda_stream),
+                    "cudaMemcpy2DAsync")
+            self._upload(self._mask_static, self._one, offset=P * 8)
+        else:
+            past, present = (self._present, self._past_b) if P % 2 == 0 else (self._past_b, self._present)
+            shapes = {INPUT_IDS: (1, 1), ATTENTION_MASK: (1, P + 1), **{p: (1, H, P, D) for p in L.past_names}}
+            addresses = {INPUT_IDS: self._ids, ATTENTION_MASK: self._mask_ones, LOGITS: self._logits,
+                         **dict(zip(L.past_names, past)), **dict(zip(L.present_names, present))}
+            self._bind(self.contexts[DECODE], shapes, addresses)
+            self._execute(self.contexts[DECODE])
+        self._len = P + 1
+        return self._download(1)[0]
+
+    def _download(self, rows: int) -> np.ndarray:
+        rt = self.cudart
+        out = self._host_logits[:rows]
+        _ok(rt, rt.cudaMemcpyAsync(out.ctypes.data, self._logits, out.nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
+                                   self.cuda_stream), "cudaMemcpyAsync D2H")
+        self._sync()
+        return out.copy()
+
+    def close(self) -> None:
+        rt = self.cudart
+        if self._graph_exec is not None:
+            rt.cudaGraphExecDestroy(self._graph_exec)
+            self._graph_exec = None
+        for ptr in self._buffers:
+            rt.cudaFree(ptr)
+        self._buffers = []
+        self.contexts = {}
+        if self.cuda_stream is not None:
+            rt.cudaStreamDestroy(self.cuda_stream)
+            self.cuda_stream = None

@@ -1,0 +1,169 @@
+"""runtime.load(...) on ONNX Runtime: forward, generate with the KV cache kept between steps, greedy
+agreement with PyTorch (full recompute, no cache), and every bad input refused with its message before
+anything runs."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+import torch
+
+from andrea_export import runtime
+from andrea_export.errors import ExportError
+from andrea_export.runtime import InputError
+from andrea_export.runtime.agreement import greedy_agreement
+from andrea_export.runtime.ort import OrtSession
+
+PROMPT = [1, 2, 3, 4, 5]
+
+
+def test_load_folder_or_file_auto_is_onnxruntime(build_dir):
+    for path in (build_dir, build_dir / "decoder.onnx", str(build_dir)):
+        sess = runtime.load(path)
+        assert isinstance(sess, OrtSession) and sess.backend == "onnxruntime"
+        assert sess.cfg.name == "andrea-tiny" and sess.layout.n_layer == 2
+
+
+def test_forward_matches_pytorch(session, lively_model):
+    ids = [7, 70, 700, 7000, 3, 33, 333]
+    logits = session.forward(ids)
+    with torch.inference_mode():
+        want = lively_model(torch.tensor([ids]))[0].numpy()
+    assert logits.shape == (7, 8449) and logits.dtype == np.float32
+    np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_64_tokens_agree_with_full_recompute(session, lively_model):
+    report = greedy_agreement(lively_model, session, PROMPT, n_tokens=64)
+    assert report["agree"], {k: v for k, v in report.items() if "tokens" not in k}
+    assert report["matched"] == 64 and report["first_divergence"] is None and report["at_divergence"] is None
+    assert report["candidate_tokens"] == report["reference_tokens"]
+    assert len(set(report["reference_tokens"])) > 10  # the decode really varies
+    assert report["max_abs_logit_diff"] < 1e-4
+    assert report["min_reference_margin"] > 0
+    assert session.generate(PROMPT, 64) == report["reference_tokens"]
+
+
+def test_greedy_agreement_reports_the_first_divergence(lively_model, session):
+    class Nudged(runtime.Session):  # the ORT session, with one token's logit raised at step 3
+        backend = "nudged"
+
+        def __init__(self):
+            super().__init__(session.cfg, session.layout, "nudged")
+            self.step = 0
+
+        def _prefill(self, ids):
+            self.step = 0
+            return session._prefill(ids)
+
+        def _decode(self, token):
+            self.step += 1
+            logits = session._decode(token).copy()
+            if self.step == 3:
+                logits[42] = logits.max() + 0.5
+            return logits
+
+    report = greedy_agreement(lively_model, Nudged(), PROMPT, n_tokens=8)
+    assert not report["agree"]
+    assert report["first_divergence"] == report["matched"] == 3
+    at = report["at_divergence"]
+    assert at["candidate_token"] == 42 and at["reference_token"] == report["reference_tokens"][3]
+    assert at["candidate_margin"] == pytest.approx(0.5, abs=1e-3)
+    assert at["reference_margin"] >= 0
+
+
+def test_cache_stays_on_the_device_between_steps(session):
+    session.forward([1, 2, 3])
+    assert session.cache_length == 3
+    first = session._past
+    assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in first)
+    assert first[0].shape() == [1, 4, 3, 16]
+    session._decode(4)
+    assert session.cache_length == 4 and session._past[0].shape() == [1, 4, 4, 16]
+
+
+def test_sampling_is_seeded_and_stops(session):
+    a = session.generate(PROMPT, 20, strategy="top-p", top_p=0.9, temperature=0.8, seed=3)
+    assert a == session.generate(PROMPT, 20, strategy="top-p", top_p=0.9, temperature=0.8, seed=3)
+    b = session.generate(PROMPT, 20, strategy="top-k", top_k=50, temperature=1.5, seed=3)
+    assert len(a) == len(b) == 20 and all(0 <= t < 8449 for t in a + b)
+    greedy = session.generate(PROMPT, 20)
+    assert session.generate(PROMPT, 20, strategy="top-k", top_k=1, seed=9) == greedy
+    stop = greedy[5]
+    first = greedy.index(stop)
+    assert session.generate(PROMPT, 20, stop_ids=[stop]) == greedy[: first + 1]
+
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, message",
+    [
+        ([], {}, "prompt is empty: give at least one token id"),
+        ([1, 8449], {}, "prompt token id 8449 at position 1 is outside the vocabulary [0, 8449)"),
+        ([-1, 5, 9000], {}, "prompt token id -1 at position 0 is outside the vocabulary [0, 8449) (2 such ids)"),
+        ([1.5], {}, "prompt must hold integer token ids, got float64"),
+        ([[1, 2]], {}, "prompt must be a flat sequence of token ids, got an array of shape [1, 2]"),
+        (list(range(100)), {"max_new_tokens": 29},
+         "prompt (100 tokens) + max_new_tokens (29) = 129 exceeds the model's context of 128 tokens"),
+        ([1], {"max_new_tokens": 0}, "max_new_tokens must be a positive integer, got 0"),
+        ([1], {"strategy": "beam"}, "unknown sampling strategy 'beam'; choose one of greedy, top-k, top-p"),
+        ([1], {"strategy": "top-p", "temperature": 0},
+         "temperature must be a number > 0, got 0 (for deterministic decoding use strategy 'greedy')"),
+        ([1], {"strategy": "top-k", "top_k": 0}, "top_k must be an integer in 1..8449 (the vocabulary size), got 0"),
+        ([1], {"strategy": "top-p", "top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
+        ([1], {"stop_ids": [9999]}, "stop_ids token id 9999 at position 0 is outside the vocabulary [0, 8449)"),
+    ],
+)
+def test_generate_refuses_bad_input(session, args, kwargs, message):
+    kwargs = dict(kwargs)
+    kwargs.setdefault("max_new_tokens", 4)
+    with pytest.raises(InputError) as e:
+        session.generate(args, **kwargs)
+    assert str(e.value) == message
+
+
+def test_forward_refuses_bad_input(session):
+    with pytest.raises(InputError) as e:
+        session.forward(list(range(129)))
+    assert str(e.value) == "input (129 tokens) exceeds the model's context of 128 tokens"
+    with pytest.raises(InputError) as e:
+        session.forward([])
+    assert str(e.value) == "input is empty: give at least one token id"
+
+
+def test_load_refuses(build_dir, tiny_onnx, tmp_path):
+    with pytest.raises(InputError) as e:
+        runtime.load(tmp_path / "nowhere")
+    assert str(e.value) == f"no such build folder or ONNX file: {tmp_path / 'nowhere'}"
+
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(InputError) as e:
+        runtime.load(tmp_path / "empty")
+    assert str(e.value) == f"{tmp_path / 'empty'}: no KV-cache decoder graph in this build folder (expected decoder.onnx)"
+
+    with pytest.raises(InputError) as e:
+        runtime.load(build_dir, backend="tvm")
+    assert str(e.value) == "unknown backend 'tvm'; choose one of auto, onnxruntime, tensorrt"
+
+    with pytest.raises(InputError) as e:
+        runtime.load(build_dir, backend="tensorrt")
+    assert str(e.value) == (
+        f"{build_dir}: backend 'tensorrt' needs a decoder engine (decoder.plan); "
+        "this has only the ONNX graph (build one with `andrea-export build`)"
+    )
+
+    with pytest.raises(ExportError) as e:  # the standard graph (no cache) is not something generate can use
+        runtime.load(tiny_onnx)
+    assert str(e.value).startswith(f"{tiny_onnx}: has no 'andrea.kv_layout' metadata: not a KV-cache decoder graph")
+
+    lonely = tmp_path / "lonely"
+    lonely.mkdir()
+    shutil.copy(build_dir / "decoder.onnx", lonely / "other.onnx")
+    (lonely / "decoder.plan").write_bytes(b"x")
+    (lonely / "decoder.onnx").unlink(missing_ok=True)
+    with pytest.raises(InputError) as e:
+        runtime.load(lonely / "decoder.plan")
+    assert str(e.value) == f"{lonely / 'decoder.plan'}: a TensorRT engine needs its decoder.onnx beside it (for the model config and cache layout)"
