@@ -239,7 +239,7 @@ def build_engine(
     plan_path: str | Path,
     *,
     builder: str = "auto",
-    profiles: Profiles | Sequence[Profiles] | None = None,
+    profiles: Profiles | Sequence[Profiles | dict] | None = None,
     opt_level: int = 3,
     workspace_mb: int | None = None,
     timing_cache: str | Path | None = None,
@@ -249,6 +249,8 @@ def build_engine(
     """Build `plan_path` from `onnx_path` and write its sidecar and layer report. See the module doc.
 
     profiles: one or several optimization profiles; default `Profiles.for_model(config of the ONNX)`.
+        A graph with more inputs than input_ids (the KV-cache decoder) takes profiles as dicts
+        {"name", "shapes": {input: {"min", "opt", "max"}}}, as `kvcache.optimization_profiles` makes them.
     opt_level: builder optimization level 0..5. workspace_mb: workspace pool limit (default: TensorRT's).
     timing_cache: file loaded when present and saved after the build (TensorRT only).
     compute_capabilities: TensorRT-RTX targets such as ["8.6", "8.9", "12.0"]; default the builder's
@@ -270,7 +272,9 @@ def build_engine(
     if not profiles:
         raise ConfigError("profile: at least one optimization profile is needed")
     for p in profiles:
-        p.check(cfg.n_positions if cfg else None)
+        if isinstance(p, Profiles):
+            p.check(cfg.n_positions if cfg else None)
+    _check_inputs(onnx_path, graph, profiles)
     if opt_level not in OPT_LEVELS:
         raise ConfigError(f"opt_level must be an integer from 0 to 5, got {opt_level!r}")
     if workspace_mb is not None and (not isinstance(workspace_mb, int) or workspace_mb < 1):
@@ -328,7 +332,11 @@ def build_engine(
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
     for p in profiles:
         prof = b.create_optimization_profile()
-        prof.set_shape(INPUT_NAME, *p.shapes())
+        if isinstance(p, Profiles):
+            prof.set_shape(INPUT_NAME, *p.shapes())
+        else:  # {"name", "shapes": {input: {"min", "opt", "max"}}}: every input named (kvcache.optimization_profiles)
+            for tensor, s in p["shapes"].items():
+                prof.set_shape(tensor, s["min"], s["opt"], s["max"])
         config.add_optimization_profile(prof)
     if rtx and not ccs_default:
         config.num_compute_capabilities = len(ccs)
@@ -366,7 +374,7 @@ def build_engine(
             result = BuildResult(
                 builder=builder, builder_version=trt.__version__, plan=plan_path, plan_bytes=tmp.stat().st_size,
                 plan_sha256=digest, build_seconds=round(seconds, 3), onnx=onnx_path, precision=precision,
-                profiles=[p.to_dict() for p in profiles], opt_level=opt_level, workspace_mb=workspace_mb,
+                profiles=[p.to_dict() if isinstance(p, Profiles) else p for p in profiles], opt_level=opt_level, workspace_mb=workspace_mb,
                 tf32=bool(config.get_flag(trt.BuilderFlag.TF32)),
                 compute_capabilities=list(ccs), compute_capabilities_default=ccs_default, plugin_layers=plugin_layers,
                 layer_report=lr, layer_report_source=source, timing_cache=Path(timing_cache) if cache else None,
@@ -449,6 +457,22 @@ def check_engine_compat(plan_path: str | Path, manifest: dict) -> dict:
 # --- helpers ----------------------------------------------------------------------------------------
 
 
+def graph_inputs(graph: onnx.ModelProto) -> list[str]:
+    return [i.name for i in graph.graph.input if i.name not in {t.name for t in graph.graph.initializer}]
+
+
+def _check_inputs(path: Path, graph: onnx.ModelProto, profiles) -> None:
+    """Every graph input needs a shape range in every profile: input_ids alone for a Profiles, all for a dict."""
+    inputs = graph_inputs(graph)
+    for p in profiles:
+        if isinstance(p, Profiles) and inputs != [INPUT_NAME]:
+            raise BuildError(f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs)}; "
+                             f"expected one input '{INPUT_NAME}' (an andrea-export ONNX)")
+        if isinstance(p, dict) and sorted(p["shapes"]) != sorted(inputs):
+            raise BuildError(f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs)}; optimization "
+                             f"profile '{p.get('name', '?')}' gives shapes for {', '.join(repr(i) for i in p['shapes'])}")
+
+
 def _read_graph(path: Path) -> onnx.ModelProto:
     if not path.is_file():
         raise BuildError(f"{path}: no such ONNX file")
@@ -456,12 +480,8 @@ def _read_graph(path: Path) -> onnx.ModelProto:
         graph = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError has no public type
         raise BuildError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
-    inputs = [i.name for i in graph.graph.input if i.name not in {t.name for t in graph.graph.initializer}]
-    if inputs != [INPUT_NAME]:
-        raise BuildError(
-            f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs) or 'none'}; "
-            f"expected one input '{INPUT_NAME}' (an andrea-export ONNX)"
-        )
+    if not graph_inputs(graph):
+        raise BuildError(f"{path}: the graph has no inputs")
     return graph
 
 

@@ -157,11 +157,14 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
               help="Timing cache file, loaded if present and saved after (TensorRT). [default: OUT/timing.cache]")
 @click.option("--fuse-bias/--no-fuse-bias", default=None,
               help="Plugin graph: fold the MLP bias add into the plugin (TanhGeluBias). [default: no]")
+@click.option("--decoder/--no-decoder", default=None,
+              help="Also build the KV-cache decoder graph and its engine (prefill + decode profiles), which "
+                   "`generate` and production runtimes use. [default: yes]")
 @click.option("--out", default=None, help="Build folder. [default: out/<model>-<precision>]")
 @click.option("--force", is_flag=True, help="Replace a folder that holds another build.")
 @_user_errors
 def build(build_config, checkpoint, config, seed, precision, builder, profiles, opt_level, workspace_mb,
-          compute_capabilities, timing_cache, fuse_bias, out, force):
+          compute_capabilities, timing_cache, fuse_bias, decoder, out, force):
     """Checkpoint -> ONNX -> plugin graph -> TensorRT engine -> Polygraphy verification -> build folder.
 
     \b
@@ -171,6 +174,7 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
       model.plugin.onnx     every tanh-GELU a call of our plugin andrea::TanhGelu (runs in ORT too)
       model.plan            the engine; model.plan.json says what built it, for which GPUs
       model.layers.json     the engine's layer report, where the builder can produce one
+      decoder.onnx          the KV-cache decoder graph; decoder.plan its engine (profiles: prefill, decode)
       verify.json           Polygraphy's verdict per artifact and input shape, LM figures
       build-config.toml     the effective options: --build-config repeats the build
       manifest.json         everything above with sha256, versions, profiles, plugin kernel, status
@@ -182,7 +186,7 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
     overrides = dict(checkpoint=str(checkpoint) if checkpoint else None, config=config, seed=seed,
                      precision=precision, builder=builder, profiles=profiles, opt_level=opt_level,
                      workspace_mb=workspace_mb, compute_capabilities=list(compute_capabilities) or None,
-                     timing_cache=timing_cache, fuse_bias=fuse_bias, out=out)
+                     timing_cache=timing_cache, fuse_bias=fuse_bias, decoder=decoder, out=out)
     if build_config:
         opts = BuildOptions.from_toml(build_config, **overrides)
     else:

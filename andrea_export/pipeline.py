@@ -42,6 +42,7 @@ class BuildOptions:
     compute_capabilities: list[str] | None = None  # TensorRT-RTX targets, e.g. ["8.6", "12.0"]
     timing_cache: str | None = None  # default: <out>/timing.cache, reused by later builds into the same folder
     fuse_bias: bool = False  # plugin graph: fold the MLP bias Add into the plugin (TanhGeluBias)
+    decoder: bool = True  # also the KV-cache decoder graph and its engine (prefill + decode profiles)
     verify_shapes: list[list[int]] | None = None  # [[batch, seq], ...]; default: verify.default_shapes
     greedy_steps: int = 32
     out: str | None = None  # default: out/<model>-<precision>
@@ -163,6 +164,8 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
         if path is not None and Path(path).is_file():
             artifacts[role] = Path(path).name
 
+    if opts.decoder:
+        _build_decoder(tmp, model, opts, builder, artifacts, timing_cache)
     report = _verify(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes, opts.greedy_steps)
     report.save(tmp / "verify.json")
     artifacts["verify_report"] = "verify.json"
@@ -189,6 +192,63 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     }
 
 
+def _build_decoder(tmp: Path, model, opts, builder: str, artifacts: dict, timing_cache) -> None:
+    """The KV-cache decoder graph (in the build's precision; its cache too), its plugin graph for
+    TensorRT, and its engine with two optimization profiles (prefill: no past; decode: one token)."""
+    from .build import build_engine
+    from .kvcache import export_decoder_onnx, optimization_profiles
+    from .passes.gelu_plugin import apply_gelu_plugin
+    from .precision import convert_precision
+
+    with step("Exporting the KV-cache decoder graph"):
+        decoder = export_decoder_onnx(model, tmp / "decoder.onnx", quiet=True)
+    if opts.precision != "fp32":
+        artifacts["decoder_onnx_fp32"] = decoder.name
+        decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
+    artifacts["decoder_onnx"] = decoder.name
+    source = decoder
+    if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
+        source = apply_gelu_plugin(decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"),
+                                   fuse_bias=opts.fuse_bias).path
+        artifacts["decoder_onnx_plugin"] = source.name
+    result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
+                          opt_level=opts.opt_level, workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
+                          compute_capabilities=opts.compute_capabilities)
+    artifacts["decoder_engine"] = "decoder.plan"
+    for role, path in (("decoder_engine_info", result.sidecar), ("decoder_layer_report", result.layer_report)):
+        if path is not None and Path(path).is_file():
+            artifacts[role] = Path(path).name
+
+
+def _verify_decoder(folder: Path, model, precision: str, artifacts: dict, greedy_steps: int, seed: int = 0) -> dict:
+    """Polygraphy step by step (prefill of a left-padded batch, then one token at a time, every output),
+    and greedy decoding through the runtime (ONNX Runtime, KV cache) against PyTorch recomputing all."""
+    import numpy as np
+
+    from .precision import TOLERANCES
+    from .runtime import load
+    from .runtime.agreement import greedy_agreement, verify_decoder
+
+    cfg = model.cfg
+    path = folder / artifacts["decoder_onnx"]
+    rng = np.random.default_rng(seed)
+    n = min(16, cfg.n_positions // 4)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
+    steps = verify_decoder(model, path, prompts, steps=8, **TOLERANCES[precision])
+    result = {"artifact": path.name, "steps": steps, "passed": steps["passed"]}
+    if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 kernels for a whole-session decode
+        result["greedy"] = {"skipped": "bf16 decoding needs a GPU runtime (ONNX Runtime CPU has no bf16 kernels)"}
+        return result
+    if greedy_steps:
+        with step(f"Greedy decoding {greedy_steps} tokens with the KV cache (ONNX Runtime) and PyTorch"), load(path, "onnxruntime") as sess:
+            greedy = greedy_agreement(model, sess, prompts[0][:8], n_tokens=greedy_steps)
+        greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
+        result["greedy"] = greedy
+        if precision == "fp32":  # lower precisions report the first divergence and its margin, and may diverge
+            result["passed"] = result["passed"] and greedy["agree"]
+    return result
+
+
 def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None, greedy_steps=32):
     """Verify every artifact of a (staged or finished) build folder against the PyTorch model."""
     from .verify import verify
@@ -202,26 +262,57 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
     else:
         skipped.append({"artifact": "engine", "reason": reason})
     shapes = [tuple(s) for s in shapes] if shapes else None
-    return verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped)
+    report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped)
+    if "decoder_onnx" in artifacts:
+        with step("Verifying the KV-cache decoder step by step"):
+            report.decoder = _verify_decoder(folder, model, precision, artifacts, greedy_steps)
+        if "decoder_engine" in artifacts:
+            plan = folder / artifacts["decoder_engine"]
+            reason = _engine_blocker(plan, json.loads((folder / artifacts["decoder_engine_info"]).read_text()))
+            if reason:
+                report.skipped.append({"artifact": "decoder_engine", "reason": reason})
+            else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph) decodes like PyTorch
+                report.decoder["engine_greedy"] = _engine_greedy(folder, model, artifacts, greedy_steps or 32)
+                if precision == "fp32":
+                    report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine_greedy"]["agree"]
+        report.passed = report.passed and report.decoder["passed"]
+    return report
 
 
-def _engine_runner(plan: Path, info: dict):
-    """Polygraphy's TensorRT runner for the engine, or (None, why it cannot run here).
-    `info` is the engine's sidecar (what built it, for which GPUs)."""
-    import os
+def _engine_greedy(folder: Path, model, artifacts: dict, steps: int) -> dict:
+    from .runtime import load
+    from .runtime.agreement import greedy_agreement
 
+    prompt = list(range(1, 9))
+    with load(folder, "tensorrt") as sess:
+        greedy = greedy_agreement(model, sess, prompt, n_tokens=steps)
+    greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
+    return greedy
+
+
+def _engine_blocker(plan: Path, info: dict) -> str | None:
+    """Why the engine `plan` (described by its sidecar `info`) cannot run here, or None when it can."""
     from .build import check_engine_compat, gpu_compute_capability
 
-    builder = info["builder"]
     if gpu_compute_capability() is None:
-        what = "an RTX-class GPU (compute capability 7.5, 8.x or 12.x)" if builder == "tensorrt-rtx" else "a GPU"
-        return None, (f"no GPU on this machine: the {builder} engine needs {what} to run; the exact ONNX that "
-                      "went into the builder was verified on ONNX Runtime instead")
+        what = "an RTX-class GPU (compute capability 7.5, 8.x or 12.x)" if info["builder"] == "tensorrt-rtx" else "a GPU"
+        return (f"no GPU on this machine: the {info['builder']} engine needs {what} to run; the exact ONNX that "
+                "went into the builder was verified on ONNX Runtime instead")
     try:
         check_engine_compat(plan, info)
     except AndreaExportError as e:
-        return None, str(e)
-    if builder == "tensorrt-rtx":
+        return str(e)
+    return None
+
+
+def _engine_runner(plan: Path, info: dict):
+    """Polygraphy's TensorRT runner for the engine, or (None, why it cannot run here)."""
+    import os
+
+    reason = _engine_blocker(plan, info)
+    if reason:
+        return None, reason
+    if info["builder"] == "tensorrt-rtx":
         os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"  # read by Polygraphy at import; set before it loads TensorRT
     elif info.get("plugin_layers"):
         from .plugin.register import register_plugins
@@ -234,13 +325,13 @@ def _engine_runner(plan: Path, info: dict):
 
 
 def _status(report) -> str:
-    engine_ran = not any(s["artifact"] == "engine" for s in report.skipped)
+    engine_ran = not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped)
     return "failed" if not report.passed else ("passed" if engine_ran else "engine-unverified")
 
 
 def _verification(report) -> dict:
     return {"passed": report.passed, "report": "verify.json",
-            "engine_verified": not any(s["artifact"] == "engine" for s in report.skipped),
+            "engine_verified": not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped),
             "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons}}
 
 
@@ -361,8 +452,11 @@ def print_build_summary(manifest: dict, out: Path) -> None:
     if status == "passed":
         console.print("[bold green]PASSED[/]: every artifact, the engine included, matches PyTorch")
     elif status == "engine-unverified":
-        warn("the ONNX graphs match PyTorch, but the engine itself could not run here: "
-             + "; ".join(s["reason"] for s in manifest["verification"]["skipped"]))
+        reasons: dict[str, list[str]] = {}
+        for s in manifest["verification"]["skipped"]:
+            reasons.setdefault(s["reason"], []).append(s["artifact"])
+        warn("the ONNX graphs match PyTorch, but the engines could not run here: "
+             + "; ".join(f"{', '.join(names)}: {reason}" for reason, names in reasons.items()))
         console.print("[bold yellow]ENGINE UNVERIFIED[/]: run `andrea-export verify BUILD_DIR` on a GPU host of the target kind")
     else:
         console.print("[bold red]FAILED[/]: verification failed; see verify.json. The folder is kept for inspection, "

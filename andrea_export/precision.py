@@ -29,6 +29,8 @@ functions (the plugin graph's `andrea::TanhGelu`) are type-polymorphic and are l
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 
 import numpy as np
@@ -41,6 +43,8 @@ from .errors import ConfigError, ExportError
 PRECISIONS = ("fp32", "fp16", "bf16")
 ONNX_TYPE = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 KEEP_FP32 = ("LayerNormalization", "Softmax")  # ops whose statistics stay float32
+FP32_OUTPUTS = ("logits",)  # stays float32 whatever the precision; other float I/O (the KV cache) follows it
+KV_LAYOUT_KEY = "andrea.kv_layout"  # = kvcache.KV_LAYOUT_KEY: its cache_dtype follows the graph's precision
 PRECISION_KEY = "andrea.precision"  # ONNX metadata: which precision this graph is
 
 # Verification tolerances per precision: the ONE place they live (verification reads them from here).
@@ -95,6 +99,12 @@ def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str)
         raise ExportError(f"{onnx_in}: is already a {meta[PRECISION_KEY]} graph; convert from the fp32 export")
     if precision != "fp32":
         model = _lower(model, ONNX_TYPE[precision])
+        if KV_LAYOUT_KEY in meta:  # a KV-cache decoder: its cache inputs/outputs are now half precision
+            from .kvcache import KVLayout
+
+            layout = KVLayout.from_dict(json.loads(meta[KV_LAYOUT_KEY]), source=f"{onnx_in} metadata")
+            layout = dataclasses.replace(layout, cache_dtype={"fp16": "float16", "bf16": "bfloat16"}[precision])
+            _set_meta(model, KV_LAYOUT_KEY, json.dumps(layout.to_dict(), sort_keys=True))
     _set_meta(model, PRECISION_KEY, precision)
     with staging(onnx_out.parent) as tmp:
         kw = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
@@ -139,7 +149,8 @@ def _lower(model: onnx.ModelProto, dtype: int) -> onnx.ModelProto:
     kept32 = {t.name for t in new_inits if t.data_type == TensorProto.FLOAT}
 
     nodes = []
-    outputs = {o.name for o in g.output if o.type.tensor_type.elem_type == TensorProto.FLOAT}
+    # float32 outputs that stay float32 (logits); the others (a KV cache's present.*) take the new type
+    outputs = {o.name for o in g.output if o.type.tensor_type.elem_type == TensorProto.FLOAT and o.name in FP32_OUTPUTS}
     for n in g.node:
         if n.op_type in KEEP_FP32 and n.domain in ("", "ai.onnx"):
             for k, name in enumerate(n.input):
@@ -162,9 +173,10 @@ def _lower(model: onnx.ModelProto, dtype: int) -> onnx.ModelProto:
             if name in outputs:
                 n.output[k] = f"{name}__{_suffix(dtype)}"
                 nodes.append(helper.make_node("Cast", [n.output[k]], [name], to=TensorProto.FLOAT, name=f"{name}__to_fp32"))
-    for inp in g.input:  # float graph inputs (not in ANDREA's graph, whose input is int64 ids) stay float32
-        if inp.name in fp32 and inp.name not in inits:
-            raise ExportError(f"graph input '{inp.name}' is float32; only integer inputs are supported by this pass")
+    for v in list(g.input) + list(g.output):  # float I/O but logits (a KV cache) is stored in the new type
+        tt = v.type.tensor_type
+        if tt.elem_type == TensorProto.FLOAT and v.name not in inits and v.name not in FP32_OUTPUTS:
+            tt.elem_type = dtype
     del g.node[:]
     g.node.extend(nodes)
     del g.initializer[:]

@@ -89,6 +89,7 @@ class VerifyReport:
     shapes: list
     comparisons: list  # one dict per (reference, artifact) pair
     skipped: list  # artifacts that could not run here, with the reason
+    decoder: dict | None = None  # the KV-cache decoder: step-by-step comparison and greedy agreement
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -238,6 +239,19 @@ def print_summary(report: VerifyReport) -> None:
         if g:
             where = "all tokens agree" if g["agree"] else f"first divergence at token {g['first_divergence']}"
             console.print(f"greedy {g['steps']} tokens, {c['artifact']}: {where}")
+    d = report.decoder
+    if d:
+        worst = max(s["max_abs_logits"] for s in d["steps"]["per_step"])
+        console.print(f"KV-cache decoder {d['artifact']}: prefill + {d['steps']['steps']} decode steps vs PyTorch, "
+                      f"max |logit diff| {worst:.2e}: " + ("[green]ok[/]" if d["steps"]["passed"] else "[bold red]FAILED[/]"))
+        for key, label in (("greedy", "ONNX Runtime"), ("engine_greedy", "engine")):
+            g = d.get(key)
+            if g and "agree" in g:
+                where = "all tokens agree" if g["agree"] else (
+                    f"first divergence at token {g['first_divergence']} (logits there: {g['at_divergence']})")
+                console.print(f"greedy {g['steps']} tokens with the KV cache, {label}: {where}")
+            elif g:
+                console.print(f"greedy with the KV cache, {label}: {g['skipped']}")
     for s in report.skipped:
         console.print(f"[yellow]not run here[/] {s['artifact']}: {s['reason']}")
     verdict = "[bold green]PASSED[/]" if report.passed else "[bold red]FAILED[/]"

@@ -25,7 +25,7 @@ def test_build_folder_contract(tiny_build):
     assert manifest == read_manifest(out)
     files = {p.name for p in out.iterdir()}
     assert {"model.onnx", "model.plugin.onnx", "model.plan", "model.plan.json", "verify.json", "build-config.toml",
-            "manifest.json"} <= files
+            "manifest.json", "decoder.onnx", "decoder.plan", "decoder.plan.json"} <= files
     assert not [f for f in files if f.startswith(".")]  # no staging leftovers
     for role, a in manifest["artifacts"].items():
         assert sha256_file(out / a["path"]) == a["sha256"], role
@@ -44,9 +44,44 @@ def test_engine_unverified_is_said_plainly_on_a_cpu(tiny_build):
     v = manifest["verification"]
     assert v["passed"] and not v["engine_verified"]
     assert v["artifacts"] == {"onnxrt": True, "onnxrt-plugin": True}
-    assert "no GPU on this machine" in v["skipped"][0]["reason"]
+    assert [s["artifact"] for s in v["skipped"]] == ["engine", "decoder_engine"]
+    assert all("no GPU on this machine" in s["reason"] for s in v["skipped"])
     report = json.loads((out / "verify.json").read_text())
     assert [c["artifact"] for c in report["comparisons"]] == ["onnxrt", "onnxrt-plugin"]
+    decoder = report["decoder"]
+    assert decoder["passed"] and decoder["steps"]["passed"] and len(decoder["steps"]["per_step"]) == 9
+    assert decoder["greedy"]["agree"] and decoder["greedy"]["steps"] == 4
+
+
+def test_decoder_engine_has_prefill_and_decode_profiles(tiny_build):
+    out, manifest = tiny_build
+    info = json.loads((out / "decoder.plan.json").read_text())
+    assert [p["name"] for p in info["profiles"]] == ["prefill", "decode"]
+    prefill, decode = (p["shapes"] for p in info["profiles"])
+    assert prefill["past_key_values.0.key"]["max"][2] == 0 and prefill["input_ids"]["max"] == [1, 128]
+    assert decode["input_ids"]["max"] == [1, 1] and decode["past_key_values.0.key"]["max"][2] == 127
+
+
+def test_generate_from_the_build_folder(tiny_build):
+    out, _ = tiny_build
+    result = CliRunner().invoke(main, ["generate", str(out), "--prompt-ids", "5,6,7", "-n", "4"])
+    assert result.exit_code == 0, result.output
+    assert len(result.output.split()) == 4
+
+
+def test_fp16_build_without_decoder(tmp_path):
+    out = tmp_path / "fp16"
+    manifest = run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", precision="fp16", decoder=False,
+                                      out=str(out), greedy_steps=4, verify_shapes=[[2, 16]]))
+    assert manifest["status"] == "engine-unverified" and manifest["precision"] == "fp16"
+    assert manifest["artifacts"]["onnx"]["path"] == "model.fp16.onnx"
+    assert manifest["artifacts"]["onnx_fp32"]["path"] == "model.onnx"
+    assert "decoder_onnx" not in manifest["artifacts"]
+    report = json.loads((out / "verify.json").read_text())
+    assert report["tolerances"] == {"rtol": 1e-2, "atol": 1e-2}
+    result = CliRunner().invoke(main, ["generate", str(out), "--prompt-ids", "1"])
+    assert result.exit_code == 1
+    assert "this build has no KV-cache decoder graph (it was built with --no-decoder)" in result.output
 
 
 def test_same_folder_other_build_is_refused(tiny_build):

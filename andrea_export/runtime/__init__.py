@@ -12,6 +12,7 @@ nothing but the graph (and the engine, for TensorRT).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from ..export import read_config
@@ -20,7 +21,7 @@ from .base import InputError, Session, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
-ENGINE_FILE = "decoder.plan"  # the decoder engine inside a build folder (name to be fixed by the build manifest)
+ENGINE_FILE = "decoder.plan"  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Sampling", "Session", "check_ids", "load", "next_token"]
 
@@ -36,9 +37,17 @@ def _tensorrt_importable() -> bool:
 def _resolve(path: Path) -> tuple[Path, Path | None]:
     """(decoder ONNX, engine or None) for a build folder or a direct file path."""
     if path.is_dir():
+        manifest = path / "manifest.json"
+        if manifest.is_file():  # a build folder: its manifest names the graphs (decoder.fp16.onnx, ...)
+            artifacts = json.loads(manifest.read_text()).get("artifacts", {})
+            if "decoder_onnx" not in artifacts:
+                raise InputError(f"{path}: this build has no KV-cache decoder graph (it was built with --no-decoder); "
+                                 "rebuild it with the decoder to generate from it")
+            engine = artifacts.get("decoder_engine")
+            return path / artifacts["decoder_onnx"]["path"], path / engine["path"] if engine else None
         onnx_path = path / DECODER_FILE
         if not onnx_path.is_file():
-            raise InputError(f"{path}: no KV-cache decoder graph in this build folder (expected {DECODER_FILE})")
+            raise InputError(f"{path}: no KV-cache decoder graph in this folder (expected {DECODER_FILE} or a manifest.json)")
         engine = path / ENGINE_FILE
         return onnx_path, engine if engine.is_file() else None
     if path.is_file():

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,6 +25,14 @@ from .base import Session, check_ids
 
 # fp32: an element fails only if BOTH its absolute and relative error exceed these (Polygraphy's rule).
 FP32_TOLERANCES = {"rtol": 1e-4, "atol": 1e-4}
+
+
+def _np_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes  # numpy has no bfloat16; onnx depends on ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
 
 
 def _torch_runner(model: Andrea, layout: KVLayout, name: str = "pytorch-kv"):
@@ -80,8 +89,9 @@ def verify_decoder(
     from polygraphy.comparator import Comparator, CompareFunc, RunResults
     from polygraphy.logger import G_LOGGER
 
-    layout = read_kv_layout(onnx_path)
-    if layout != kv_layout(model.cfg):
+    layout = read_kv_layout(onnx_path)  # the graph's; its cache may be fp16/bf16 (a lower-precision build)
+    reference_layout = kv_layout(model.cfg)  # PyTorch's: float32
+    if dataclasses.replace(layout, cache_dtype=reference_layout.cache_dtype) != reference_layout:
         raise ValueError(f"{onnx_path}: its KV layout {layout} is not that of the model ({model.cfg.name})")
     rows = [check_ids(p, layout.vocab_size) for p in prompts]
     width = max(len(r) for r in rows)
@@ -89,15 +99,15 @@ def verify_decoder(
         raise ValueError(f"longest prompt ({width}) + steps ({steps}) exceeds the context of {layout.n_positions}")
     ids = np.array([[0] * (width - len(r)) + r for r in rows], dtype=np.int64)
     mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=np.int64)
-    empty = np.zeros((len(rows), layout.n_head, 0, layout.head_dim), dtype=np.float32)
-
-    reference = _torch_runner(model, layout)
+    reference = _torch_runner(model, reference_layout)
     candidate = OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers or ["CPUExecutionProvider"]),
                              name=f"onnxrt:{Path(onnx_path).name}")
     outputs: dict[str, list] = {reference.name: [], candidate.name: []}
     per_step = []
     with G_LOGGER.verbosity(G_LOGGER.ERROR), reference, candidate:
-        past = {r.name: {n: empty for n in layout.past_names} for r in (reference, candidate)}
+        past = {r.name: {n: np.zeros((len(rows), l.n_head, 0, l.head_dim), dtype=_np_dtype(l.cache_dtype))
+                         for n in l.past_names}
+                for r, l in ((reference, reference_layout), (candidate, layout))}
         new, step_mask = ids, mask
         for s in range(steps + 1):
             got = {}

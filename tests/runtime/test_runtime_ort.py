@@ -142,7 +142,7 @@ def test_load_refuses(build_dir, tiny_onnx, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(InputError) as e:
         runtime.load(tmp_path / "empty")
-    assert str(e.value) == f"{tmp_path / 'empty'}: no KV-cache decoder graph in this build folder (expected decoder.onnx)"
+    assert str(e.value) == f"{tmp_path / 'empty'}: no KV-cache decoder graph in this folder (expected decoder.onnx or a manifest.json)"
 
     with pytest.raises(InputError) as e:
         runtime.load(build_dir, backend="tvm")
