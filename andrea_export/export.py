@@ -50,26 +50,54 @@ def export_onnx(
     Returns:
         The path written.
     """
+    cfg = model.cfg
+    example = torch.zeros(2, min(8, cfg.n_positions), dtype=torch.long)
+    dynamic = {"idx": {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seq", max=cfg.n_positions)}}
+    return export_program(model, (example,), out, input_names=[INPUT_NAME], output_names=[OUTPUT_NAME],
+                          dynamic_shapes=dynamic, title=f"Exporting {cfg.name} to ONNX (opset {opset})",
+                          opset=opset, external_data=external_data, quiet=quiet)
+
+
+def export_program(
+    module: torch.nn.Module,
+    args: tuple,
+    out: str | Path,
+    *,
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_shapes,
+    title: str,
+    opset: int = OPSET,
+    external_data: bool | None = None,
+    metadata: dict[str, str] | None = None,
+    edit=None,
+    check=None,
+    quiet: bool = False,
+) -> Path:
+    """The export machinery every graph shares: torch's dynamo exporter, the model config and weight source
+    in the metadata (plus `metadata`), `edit(onnx_ir_model)` before saving, weights inline unless they
+    exceed 1 GiB, a check (`check(path)`, default check_onnx) and an atomic write. `module.cfg` and
+    `module.weights_source` describe the model (Andrea has both)."""
     if opset < 20:
         raise ExportError(f"opset {opset} is too old: tanh-GELU is one ONNX Gelu node only from opset 20")
     out = Path(out)
-    cfg = model.cfg
-    model = model.float().cpu().eval()
+    module = module.float().cpu().eval()
     if external_data is None:
-        external_data = sum(p.numel() * 4 for p in model.parameters()) > EXTERNAL_DATA_ABOVE
-    example = torch.zeros(2, min(8, cfg.n_positions), dtype=torch.long)
-    dynamic = {"idx": {0: torch.export.Dim("batch", max=4096), 1: torch.export.Dim("seq", max=cfg.n_positions)}}
-    with step(f"Exporting {cfg.name} to ONNX (opset {opset})", quiet), _quiet_exporter():
+        external_data = sum(p.numel() * 4 for p in module.parameters()) > EXTERNAL_DATA_ABOVE
+    with step(title, quiet), _quiet_exporter():
         program = torch.onnx.export(
-            model, (example,), dynamo=True, opset_version=opset, input_names=[INPUT_NAME],
-            output_names=[OUTPUT_NAME], dynamic_shapes=dynamic, optimize=True, verbose=False,
+            module, args, dynamo=True, opset_version=opset, input_names=input_names, output_names=output_names,
+            dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
         )
-        program.model.metadata_props[CONFIG_KEY] = json.dumps(cfg.to_dict(), sort_keys=True)
-        program.model.metadata_props[WEIGHTS_KEY] = json.dumps(getattr(model, "weights_source", {}), sort_keys=True)
+        if edit is not None:
+            edit(program.model)
+        meta = {CONFIG_KEY: json.dumps(module.cfg.to_dict(), sort_keys=True),
+                WEIGHTS_KEY: json.dumps(getattr(module, "weights_source", {}), sort_keys=True), **(metadata or {})}
+        program.model.metadata_props.update(meta)
         program.model.producer_name = "andrea-export"
     with step(f"Writing and checking {out.name}", quiet), staging(out.parent) as tmp:
         program.save(tmp / out.name, external_data=external_data)
-        check_onnx(tmp / out.name)
+        (check or check_onnx)(tmp / out.name)
     return out
 
 

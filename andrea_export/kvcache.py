@@ -33,12 +33,10 @@ import onnx
 import torch
 from torch import nn
 
-from .artifacts import staging
 from .config import ModelConfig
 from .errors import ExportError
-from .export import CONFIG_KEY, EXTERNAL_DATA_ABOVE, OPSET, WEIGHTS_KEY, _quiet_exporter, check_onnx
+from .export import OPSET, check_onnx, export_program
 from .model import Andrea
-from .progress import step
 
 DECODER_FILE = "decoder.onnx"  # its name inside a build folder
 KV_LAYOUT_KEY = "andrea.kv_layout"
@@ -157,6 +155,7 @@ class _DecoderStep(nn.Module):
         for name, child in model.named_children():
             self.add_module(name, child)
         self._step = model.forward_with_cache
+        self.cfg, self.weights_source = model.cfg, model.weights_source  # read by export_program
 
     def forward(self, input_ids, attention_mask, *past):
         pairs = [(past[2 * i], past[2 * i + 1]) for i in range(len(past) // 2)]
@@ -178,14 +177,8 @@ def export_decoder_onnx(
     size is 0 or 1); the tests run it with past_len 0 and 1 and new_tokens 1 in ONNX Runtime. Written in a
     temporary folder and moved in when complete; `andrea.config` and `andrea.kv_layout` go into the metadata.
     """
-    if opset < 20:
-        raise ExportError(f"opset {opset} is too old: tanh-GELU is one ONNX Gelu node only from opset 20")
-    out = Path(out)
     cfg = model.cfg
     layout = kv_layout(cfg)
-    model = model.float().cpu().eval()
-    if external_data is None:
-        external_data = sum(p.numel() * 4 for p in model.parameters()) > EXTERNAL_DATA_ABOVE
     if cfg.n_positions < 8:
         raise ExportError(f"model config '{cfg.name}': n_positions {cfg.n_positions} is too small to trace the decoder (needs 8)")
     B, T, P = 2, 3, 4
@@ -200,22 +193,13 @@ def export_decoder_onnx(
         {0: batch, 1: torch.export.Dim.DYNAMIC},  # = past_len + new_tokens; torch.export infers the relation
         tuple({0: batch, 2: plen} for _ in past),  # *past is one (varargs) entry
     )
-    with step(f"Exporting {cfg.name} KV-cache decoder to ONNX (opset {opset})", quiet), _quiet_exporter():
-        program = torch.onnx.export(
-            _DecoderStep(model), (ids, mask, *past), dynamo=True, opset_version=opset,
-            input_names=[t.name for t in layout.inputs], output_names=[t.name for t in layout.outputs],
-            dynamic_shapes=dynamic, optimize=True, verbose=False,
-        )
-        assert program is not None  # dynamo=True always returns a program
-        _name_axes(program.model, layout)
-        program.model.metadata_props[CONFIG_KEY] = json.dumps(cfg.to_dict(), sort_keys=True)
-        program.model.metadata_props[KV_LAYOUT_KEY] = json.dumps(layout.to_dict(), sort_keys=True)
-        program.model.metadata_props[WEIGHTS_KEY] = json.dumps(getattr(model, "weights_source", {}), sort_keys=True)
-        program.model.producer_name = "andrea-export"
-    with step(f"Writing and checking {out.name}", quiet), staging(out.parent) as tmp:
-        program.save(tmp / out.name, external_data=external_data)
-        check_decoder_onnx(tmp / out.name)
-    return out
+    return export_program(
+        _DecoderStep(model), (ids, mask, *past), out, input_names=[t.name for t in layout.inputs],
+        output_names=[t.name for t in layout.outputs], dynamic_shapes=dynamic,
+        title=f"Exporting {cfg.name} KV-cache decoder to ONNX (opset {opset})", opset=opset,
+        external_data=external_data, metadata={KV_LAYOUT_KEY: json.dumps(layout.to_dict(), sort_keys=True)},
+        edit=lambda m: _name_axes(m, layout), check=check_decoder_onnx, quiet=quiet,
+    )
 
 
 def _name_axes(ir_model, layout: KVLayout) -> None:
