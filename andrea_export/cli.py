@@ -300,3 +300,52 @@ def generate(build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy
     click.echo(" ".join(map(str, new)))
     if tok is not None:
         click.echo(tok.decode(new))
+
+
+@main.command()
+@checkpoint_option
+@config_option
+@seed_option
+@click.option("--quick", is_flag=True, help="Small grids and few repeats: 1-2 minutes for ANDREA-120M on 2 cores.")
+@click.option("--backends", default="torch,ort-cpu,ort-cuda,trt-native,trt-plugin", show_default=True,
+              help="Comma-separated. Backends this host cannot run are reported as skipped, with the reason.")
+@click.option("--scenarios", default="prefill,decode,generate", show_default=True, help="Comma-separated.")
+@click.option("--threads", type=int, default=None, help="Threads for every backend and the limit measurements "
+              "(default: the CPUs this process may use).")
+@click.option("--prefill-grid", default=None, callback=_shapes, metavar="BxT,...",
+              help="Prefill shapes, e.g. 1x128,4x512 (default: 1/4/16 x 32/128/512/1024).")
+@click.option("--decode-grid", default=None, callback=_shapes, metavar="BxP,...",
+              help="Decode batch x past length, e.g. 1x127,8x512 (default: 1x127 and 1/8/32 x 128/512/1023).")
+@click.option("--trt-engine", "trt_engines", multiple=True, metavar="VARIANT:ROLE=PLAN",
+              help="A TensorRT engine (GPU hosts), e.g. native:prefill=build/model.plan, "
+                   "plugin:decode=build/decoder.plan. Repeatable.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"), show_default=True,
+              help="Folder for bench.json, bench.csv, bench.md and the PNG plots. Exported ONNX files are cached in "
+                   "$ANDREA_EXPORT_CACHE or ~/.cache/andrea-export/bench.")
+@click.option("--compare", nargs=2, type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              metavar="A.json B.json", help="Only compare two earlier results: B/A ratios of the matching rows.")
+@_user_errors
+def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, trt_engines, out,
+          compare):
+    """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
+    the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
+
+    \b
+    Scenarios: prefill (batch x seq), one decode step with the KV cache (batch x past), greedy generation.
+    Backends are interleaved; speedups are medians of per-iteration ratios. See benchmarks/README.md.
+    """
+    from . import bench as bench_mod
+    from . import bench_report
+
+    if compare:
+        rows = bench_report.compare(*compare)
+        click.echo(bench_report.compare_markdown(rows, compare[0].parent.name or "A", compare[1].parent.name or "B"))
+        return
+    doc = bench_mod.run_benchmark(
+        config, checkpoint, seed=seed, quick=quick, threads=threads, out=out,
+        backends=bench_mod.parse_names(backends, bench_mod.BACKENDS, "backend"),
+        scenarios=bench_mod.parse_names(scenarios, bench_mod.SCENARIOS, "scenario"),
+        prefill_grid=prefill_grid, decode_grid=decode_grid,
+        trt_engines=bench_mod.parse_engine_specs(trt_engines),
+    )
+    click.echo(bench_report.to_markdown(doc))

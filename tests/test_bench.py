@@ -1,0 +1,285 @@
+"""The benchmark harness: statistics, interleaving, floors, environment, and one real run on the tiny
+config (PyTorch + ONNX Runtime CPU; TensorRT skipped with its reason) whose outputs are checked.
+Timings are never asserted: only that they exist and are consistent."""
+
+from __future__ import annotations
+
+import copy
+import csv
+import io
+import json
+import math
+
+import numpy as np
+import pytest
+
+from andrea_export import bench, bench_report
+from andrea_export.config import ANDREA_120M, ANDREA_TINY
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_stats_on_known_samples():
+    ms = [float(x) for x in range(1, 11)]  # 1..10 ms
+    st = bench.Stats.from_ns([int(x * 1e6) for x in reversed(ms)])  # order must not matter
+    assert st.n == 10 and st.min_ms == 1 and st.max_ms == 10
+    assert st.median_ms == pytest.approx(5.5)
+    assert st.mean_ms == pytest.approx(5.5)
+    assert st.p90_ms == pytest.approx(9.1)  # numpy's linear interpolation: 9 + 0.1 * (10 - 9)
+    assert st.p99_ms == pytest.approx(9.91)
+    std = math.sqrt(sum((x - 5.5) ** 2 for x in ms) / 9)  # sample standard deviation
+    assert st.std_ms == pytest.approx(std)
+    assert st.cv == pytest.approx(std / 5.5)
+    assert st.cv == pytest.approx(0.5505, abs=1e-4)
+
+
+def test_percentile_matches_numpy():
+    rng = np.random.default_rng(0)
+    values = sorted(rng.exponential(size=37).tolist())
+    for q in (0, 1, 25, 50, 90, 99, 100):
+        assert bench.percentile(values, q) == pytest.approx(np.percentile(values, q))
+    with pytest.raises(ValueError):
+        bench.percentile([], 50)
+
+
+def test_stats_of_one_sample():
+    st = bench.Stats.from_ns([3_000_000])
+    assert (st.min_ms, st.median_ms, st.p99_ms, st.cv) == (3.0, 3.0, 3.0, 0.0)
+
+
+def test_interleaved_order():
+    assert bench.interleaved_order(["a", "b"], 3) == ["a", "b", "a", "b", "a", "b"]
+    assert bench.interleaved_order(["a", "b", "c"], 1) == ["a", "b", "c"]
+    assert bench.interleaved_order(["a", "b"], 3, interleave=False) == ["a", "a", "a", "b", "b", "b"]
+
+
+def test_run_interleaved_alternates_and_pairs_samples():
+    calls = []
+    fns = {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}
+    ns = {"a": 2_000_000, "b": 1_000_000}  # fake clocks: a takes 2 ms, b 1 ms
+    timers = {k: (lambda fn, k=k: (fn(), ns[k])[1]) for k in fns}
+    settings = bench.Settings(warmup=2, warmup_s=0.0, min_repeats=4, max_repeats=6, budget_s=1.0, gap_s=0.0)
+    rounds_seen = []
+    samples = bench.run_interleaved(fns, settings, timers, on_round=lambda d, t: rounds_seen.append((d, t)))
+    assert calls == ["a", "b"] * (len(calls) // 2)  # strictly A B A B ..., warm-up included
+    assert len(samples["a"]) == len(samples["b"]) == 6  # budget 1 s / 3 ms per round, clamped to max_repeats
+    assert rounds_seen[-1] == (6, 6)
+    assert bench.ratio_median(samples["a"], samples["b"]) == pytest.approx(2.0)
+
+
+def test_ratio_median_cancels_drift():
+    # the machine slows down 3x during the run; the per-iteration ratio stays 2
+    base = [2, 4, 6, 6, 6]
+    other = [1, 2, 3, 3, 3]
+    assert bench.ratio_median(base, other) == 2.0
+    with pytest.raises(ValueError):
+        bench.ratio_median([1, 2], [1])
+
+
+# ---------------------------------------------------------------- floors
+
+
+def test_floor_arithmetic_andrea_120m():
+    cfg = ANDREA_120M
+    assert bench.weight_bytes(cfg) == 92_331_264 * 4 == 369_325_056
+    assert bench.matmul_params(cfg) == 12 * 12 * 768**2 + 8449 * 768 == 91_423_488
+    # prefill of T tokens, no past: 2 * matmul weights * T + causal attention (T(T+1)/2 pairs, 4 C flops each)
+    T = 128
+    assert bench.forward_flops(cfg, 1, T) == 2 * 91_423_488 * T + 4 * 768 * (T * (T + 1) // 2) * 12
+    # decode after a past of 127: weights (but 896 unused position rows) + KV read + new K/V + logits
+    b = bench.forward_bytes(cfg, batch=1, new=1, past=127)
+    assert b == (92_331_264 - (1024 - 128) * 768) * 4 + 2 * 12 * 127 * 768 * 4 + 2 * 12 * 768 * 4 + 8449 * 4
+    machine = {"bandwidth_GBps": 10.0, "matmul_GFLOPs": 100.0}
+    t, bound = bench.floor_seconds(bench.forward_flops(cfg, 1, 1, 127), b, machine)
+    assert bound == "memory" and t == pytest.approx(b / 10e9)
+    t, bound = bench.floor_seconds(bench.forward_flops(cfg, 1, 1024), bench.forward_bytes(cfg, 1, 1024), machine)
+    assert bound == "compute" and t == pytest.approx(bench.forward_flops(cfg, 1, 1024) / 100e9)
+
+
+def test_combine_limits_takes_the_best():
+    a = {"device": "cpu", "bandwidth_GBps": 20.0, "copy_GBps": 18.0, "read_GBps": 20.0, "matmul_GFLOPs": 150.0,
+         "torch_matmul_GFLOPs": 150.0, "ort_matmul_GFLOPs": 120.0}
+    b = dict(a, bandwidth_GBps=30.0, read_GBps=30.0, matmul_GFLOPs=100.0, torch_matmul_GFLOPs=100.0)
+    c = bench.combine_limits(a, b)
+    assert (c["bandwidth_GBps"], c["matmul_GFLOPs"], c["ort_matmul_GFLOPs"]) == (30.0, 150.0, 120.0)
+    assert c["measurements"] == [a, b]
+
+
+def test_generate_work_is_prefill_plus_steps():
+    cfg = ANDREA_TINY
+    f, b = bench.scenario_work(cfg, "generate", 2, 8, 0, 4)
+    assert f == bench.forward_flops(cfg, 2, 8) + sum(bench.forward_flops(cfg, 2, 1, p) for p in (8, 9, 10))
+    assert b == bench.forward_bytes(cfg, 2, 8) + sum(bench.forward_bytes(cfg, 2, 1, p) for p in (8, 9, 10))
+
+
+# ---------------------------------------------------------------- environment
+
+
+def test_environment_keys():
+    env = bench.environment()
+    for key in ("cpu", "memory_GiB", "gpus", "platform", "python", "libraries", "torch", "onnxruntime_providers", "git",
+                "loadavg_start"):  # fmt: skip
+        assert key in env, key
+    assert env["cpu"]["logical_cores"] >= 1 and env["cpu"]["model"]
+    assert env["libraries"]["torch"] and env["libraries"]["onnxruntime"]
+    assert set(env["git"]) == {"revision", "dirty"}
+    json.dumps(env)  # serializable
+
+
+# ---------------------------------------------------------------- one real run on the tiny config
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from andrea_export.checkpoint import random_init
+
+    out = tmp_path_factory.mktemp("bench")
+    model = random_init(ANDREA_TINY, seed=0, announce=False)
+    doc = bench.run_benchmark(
+        model=model, backends=("torch", "ort-cpu", "trt-native"), quick=True, threads=2,
+        settings=bench.Settings(warmup=1, warmup_s=0.0, min_repeats=3, max_repeats=3, budget_s=0.0),
+        prefill_grid=[(1, 16), (2, 32)], decode_grid=[(1, 15), (2, 15)], generate_grid=[(1, 8, 3)],
+        out=out, workdir=out / "cache", quiet=True,
+    )  # fmt: skip
+    return doc, out
+
+
+def test_run_rows_and_skips(run):
+    doc, _ = run
+    assert doc["backends"]["torch"]["status"] == "ok" and doc["backends"]["torch"]["threads"] == 2
+    assert doc["backends"]["ort-cpu"]["status"] == "ok" and doc["backends"]["ort-cpu"]["threads"] == 2
+    assert doc["backends"]["trt-native"]["status"] == "skipped" and doc["backends"]["trt-native"]["reason"]
+    keys = {(r["scenario"], r["backend"], r["batch"], r["seq"], r["past"]) for r in doc["rows"]}
+    for backend in ("torch", "ort-cpu"):
+        assert ("prefill", backend, 2, 32, 0) in keys
+        assert ("decode", backend, 2, 1, 15) in keys
+        assert ("generate", backend, 1, 8, 0) in keys
+    assert len(doc["rows"]) == 2 * 5
+    for r in doc["rows"]:
+        assert r["n"] == 3
+        assert 0 < r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
+        assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
+        assert r["bound"] in ("memory", "compute") and r["tokens_per_s"] > 0
+    assert len(doc["ratios"]) == 5 and all(q["baseline"] == "torch" and q["speedup"] > 0 for q in doc["ratios"])
+    m = doc["machine"]
+    assert m["bandwidth_GBps"] > 0 and m["matmul_GFLOPs"] > 0 and m["threads"] == 2
+    assert len(m["measurements"]) == 2  # at the start and at the end; the best of each figure counts
+    assert m["matmul_GFLOPs"] == max(x["matmul_GFLOPs"] for x in m["measurements"])
+    assert m["matmul_GFLOPs"] == max(m["torch_matmul_GFLOPs"], m["ort_matmul_GFLOPs"])
+    assert [g["met"] for g in doc["goals"]] == [None, None]  # the goals' cases are not in this tiny grid
+    assert isinstance(doc["warnings"], list) and len(doc["loadavg_end"]) == 3
+
+
+def test_same_inputs_same_outputs(run):
+    """Backends get the same arrays, and they compute the same thing (decode step, generation; tiny model)."""
+    from andrea_export.checkpoint import random_init
+
+    cfg = ANDREA_TINY
+    ids, mask, past = bench._inputs(cfg, "decode", 2, 1, 5, seed=0)
+    again = bench._inputs(cfg, "decode", 2, 1, 5, seed=0)
+    assert np.array_equal(ids, again[0]) and all(np.array_equal(a, b) for a, b in zip(past, again[2]))
+    assert ids.shape == (2, 1) and mask.shape == (2, 6) and past[0].shape == (2, cfg.n_head, 5, cfg.head_dim)
+    ctx = bench.Context(random_init(cfg, seed=0, announce=False), 1, run[1] / "cache")  # the run's cached exports
+    assert ctx.fingerprint == run[0]["weights"]["fingerprint"]
+    t, o = bench.TorchBackend(), bench.OrtBackend()
+    t.setup(ctx), o.setup(ctx)
+    logits_t = t.decode(ids, mask, past)()[0].numpy()
+    logits_o = o.decode(ids, mask, past)().copy_outputs_to_cpu()[0]
+    np.testing.assert_allclose(logits_t, logits_o, atol=1e-4, rtol=1e-4)
+    assert np.array_equal(t.generate(ids, 3)().numpy(), o.generate(ids, 3)())  # batched IO-binding loop
+    assert t.generate(ids[:1], 3)().numpy()[0].tolist() == list(o.generate(ids[:1], 3)())  # runtime.OrtSession
+
+
+def test_json_round_trip(run):
+    doc, out = run
+    loaded = bench_report.load_json(out / "bench.json")
+    assert loaded == json.loads(json.dumps(doc))
+    assert loaded["schema_version"] == bench_report.SCHEMA_VERSION and loaded["kind"] == bench_report.KIND
+    bad = copy.deepcopy(loaded)
+    bad["schema_version"] = 99
+    with pytest.raises(bench_report.BenchSchemaError, match="schema_version"):
+        bench_report.validate(bad)
+    with pytest.raises(bench_report.BenchSchemaError):
+        bench_report.validate({"kind": "something else"})
+
+
+def test_csv_and_markdown_written(run):
+    doc, out = run
+    rows = list(csv.DictReader(io.StringIO((out / "bench.csv").read_text())))
+    assert len(rows) == len(doc["rows"])
+    assert list(rows[0]) == list(bench_report.CSV_FIELDS)
+    assert float(rows[0]["median_ms"]) == pytest.approx(doc["rows"][0]["median_ms"])
+    md = (out / "bench.md").read_text()
+    assert "| backend | shape | median ms" in md and "## Goals" in md and "trt-native" in md
+    assert md.count("| torch | B=") == 5  # one row per case in the result tables
+
+
+def test_png_plots_written(run):
+    pytest.importorskip("matplotlib")
+    _, out = run
+    for name in ("prefill_latency.png", "tokens_per_s.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+def test_compare_ratios(run):
+    doc, out = run
+    same = bench_report.compare(out / "bench.json", out / "bench.json")
+    assert len(same) == len(doc["rows"]) and all(r["ratio"] == pytest.approx(1.0) for r in same)
+    b = copy.deepcopy(doc)
+    for r in b["rows"]:
+        r["median_ms"] = r["median_ms"] * (0.5 if r["backend"] == "ort-cpu" else 2.0)
+    b["rows"] = [r for r in b["rows"] if r["scenario"] != "generate"]  # rows only in A are left out
+    rows = bench_report.compare(doc, b)
+    assert len(rows) == 8
+    for r in rows:
+        assert r["ratio"] == pytest.approx(0.5 if r["backend"] == "ort-cpu" else 2.0)
+    assert "| prefill | torch |" in bench_report.compare_markdown(rows)
+
+
+def test_goals_on_synthetic_rows():
+    machine = {"bandwidth_GBps": 10.0, "matmul_GFLOPs": 100.0}
+    rows = [
+        {"scenario": "decode", "backend": "ort-cpu", "batch": 1, "past": 127, "seq": 1, "median_ms": 50.0,
+         "floor_ms": 40.0, "x_floor": 1.25, "bound": "memory", "gbps": 8.0},
+        {"scenario": "prefill", "backend": "torch", "batch": 1, "seq": 128, "past": 0, "median_ms": 300.0, "gflops": 80.0},
+        {"scenario": "prefill", "backend": "ort-cpu", "batch": 1, "seq": 128, "past": 0, "median_ms": 250.0, "gflops": 96.0},
+    ]  # fmt: skip
+    ratios = [{"scenario": "prefill", "batch": 1, "seq": 128, "baseline": "torch", "backend": "ort-cpu", "speedup": 1.2}]
+    g = bench.goals({"rows": rows, "ratios": ratios, "machine": machine})
+    assert [x["met"] for x in g] == [True, False]
+    assert g[0]["value"] == 1.25 and g[1]["value"] == 1.2 and "96%" in g[1]["detail"]
+    flipped = [dict(ratios[0], baseline="ort-cpu", backend="torch", speedup=1 / 1.5)]  # run with --backends ort-cpu torch
+    g = bench.goals({"rows": rows, "ratios": flipped, "machine": machine})
+    assert g[1]["value"] == pytest.approx(1.5) and g[1]["met"] is True
+
+
+def test_unknown_names_are_user_errors():
+    from andrea_export.errors import AndreaExportError
+
+    with pytest.raises(AndreaExportError, match="unknown backend"):
+        bench.make_backends(["tensorflow"])
+    with pytest.raises(AndreaExportError, match="unknown scenario"):
+        bench.run_benchmark(model=None, scenarios=["train"], quiet=True)
+
+
+def test_trt_backend_skips_with_reason_without_gpu():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the skip path is not taken")
+    reason = bench.TrtBackend("plugin", {"prefill": "missing.plan"}).check()
+    assert "GPU" in reason
+
+
+def test_parse_names_and_engine_specs(tmp_path):
+    from andrea_export.errors import AndreaExportError
+
+    assert bench.parse_names("torch, ort-cpu", bench.BACKENDS, "backend") == ["torch", "ort-cpu"]
+    with pytest.raises(AndreaExportError, match="unknown backend"):
+        bench.parse_names("torch,tf", bench.BACKENDS, "backend")
+    specs = bench.parse_engine_specs(["native:prefill=a.plan", "native:decode=b.plan", "plugin:prefill=c.plan"])
+    assert specs == {"trt-native": {"prefill": bench.Path("a.plan"), "decode": bench.Path("b.plan")},
+                     "trt-plugin": {"prefill": bench.Path("c.plan")}}  # fmt: skip
+    with pytest.raises(AndreaExportError, match="VARIANT:ROLE=PLAN"):
+        bench.parse_engine_specs(["fast:prefill=a.plan"])
