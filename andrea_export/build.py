@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import importlib.util
 import json
+import os
 import re
 import threading
 import time
@@ -373,7 +374,9 @@ def build_engine(
             digest = sha256_file(tmp)
             result = BuildResult(
                 builder=builder, builder_version=trt.__version__, plan=plan_path, plan_bytes=tmp.stat().st_size,
-                plan_sha256=digest, build_seconds=round(seconds, 3), onnx=onnx_path, precision=precision,
+                plan_sha256=digest, build_seconds=round(seconds, 3),
+                onnx=Path(os.path.relpath(onnx_path, plan_path.parent)),  # relative: the folder can move
+                precision=precision,
                 profiles=[p.to_dict() if isinstance(p, Profiles) else p for p in profiles], opt_level=opt_level, workspace_mb=workspace_mb,
                 tf32=bool(config.get_flag(trt.BuilderFlag.TF32)),
                 compute_capabilities=list(ccs), compute_capabilities_default=ccs_default, plugin_layers=plugin_layers,

@@ -280,11 +280,14 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
 
 
 def _engine_greedy(folder: Path, model, artifacts: dict, steps: int) -> dict:
-    from .runtime import load
+    from .export import read_config
+    from .kvcache import check_decoder_onnx
     from .runtime.agreement import greedy_agreement
+    from .runtime.trt import TrtSession
 
+    graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
     prompt = list(range(1, 9))
-    with load(folder, "tensorrt") as sess:
+    with TrtSession(folder / artifacts["decoder_engine"], read_config(graph), check_decoder_onnx(graph)) as sess:
         greedy = greedy_agreement(model, sess, prompt, n_tokens=steps)
     greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
     return greedy

@@ -283,3 +283,39 @@ def test_parse_names_and_engine_specs(tmp_path):
                      "trt-plugin": {"prefill": bench.Path("c.plan")}}  # fmt: skip
     with pytest.raises(AndreaExportError, match="VARIANT:ROLE=PLAN"):
         bench.parse_engine_specs(["fast:prefill=a.plan"])
+
+
+def test_floor_read_in_the_same_rounds_gives_the_paired_goal():
+    from andrea_export import bench
+
+    doc = {
+        "machine": {"bandwidth_GBps": 50.0, "matmul_GFLOPs": 400.0},
+        "rows": [
+            {"scenario": "decode", "backend": "mem-read", "batch": 1, "past": 127, "median_ms": 5.0, "gbps": 74.0,
+             "x_floor": 1.0, "floor_ms": 5.0, "bound": "memory"},
+            {"scenario": "decode", "backend": "ort-cpu", "batch": 1, "past": 127, "median_ms": 8.0, "gbps": 46.0,
+             "x_floor": 1.6, "floor_ms": 5.0, "bound": "memory"},
+        ],
+        "ratios": [{"scenario": "decode", "batch": 1, "seq": 1, "past": 127, "new_tokens": 1,
+                    "baseline": "mem-read", "backend": "ort-cpu", "speedup": 0.625}],
+    }
+    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"]]
+    assert len(paired) == 1
+    assert paired[0]["value"] == pytest.approx(1.6) and paired[0]["met"] is False
+
+
+def test_mem_read_reads_the_decode_step_bytes():
+    import numpy as np
+
+    from andrea_export import bench
+    from andrea_export.config import ANDREA_TINY
+
+    class Ctx:
+        cfg, threads = ANDREA_TINY, 1
+
+    b = bench.MemReadBackend()
+    b.setup(Ctx())
+    past = [np.zeros((2, ANDREA_TINY.n_head, 9, ANDREA_TINY.head_dim), np.float32)]
+    run = b.decode(np.zeros((2, 1), np.int64), np.ones((2, 10), np.int64), past)
+    expected = bench.forward_bytes(ANDREA_TINY, 2, 1, 9) // 4
+    assert float(run()) == expected  # a sum of ones over exactly the step's bytes
