@@ -224,33 +224,32 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
         fig.tight_layout()
         written.append(_save(fig, out_dir / "prefill_latency.png", plt))
 
-    dec = [r for r in doc["rows"] if r["scenario"] in ("decode", "generate")]
-    if dec:
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
-        for (scen, backend, past) in dict.fromkeys((r["scenario"], r["backend"], r["past"]) for r in dec):
-            pts = sorted((r["batch"], r["tokens_per_s"]) for r in dec
-                         if (r["scenario"], r["backend"], r["past"]) == (scen, backend, past) and r.get("tokens_per_s"))  # fmt: skip
-            if not pts:
-                continue
-            label = f"{backend} decode P={past}" if scen == "decode" else f"{backend} generate"
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o" if scen == "decode" else "s",
-                    linestyle="-" if scen == "decode" else ":", label=label)  # fmt: skip
-        ceil = sorted({(r["batch"], r["past"], 1000.0 * r["batch"] / r["floor_ms"]) for r in dec
-                       if r["scenario"] == "decode" and r.get("floor_ms")})  # fmt: skip
-        for past in sorted({c[1] for c in ceil}):
-            pts = [(c[0], c[2]) for c in ceil if c[1] == past]
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], "k--", marker="_", markersize=14, alpha=0.5, linewidth=1)
-            ax.annotate(f"P={past}", (pts[-1][0], pts[-1][1]), fontsize=6, alpha=0.6, xytext=(3, 0),
-                        textcoords="offset points")  # fmt: skip
-        if ceil:
-            ax.plot([], [], "k--", marker="_", markersize=14, alpha=0.5, label="decode ceiling: batch / floor")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("batch")
-        ax.set_ylabel("tokens/s")
-        ax.set_title(f"{name}: decode throughput ({threads} threads)")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+    dec = [r for r in doc["rows"] if r["scenario"] == "decode" and r.get("tokens_per_s")]
+    gen = [r for r in doc["rows"] if r["scenario"] == "generate" and r.get("tokens_per_s")]
+    pasts = [p for p in sorted({r["past"] for r in dec}) if len({r["batch"] for r in dec if r["past"] == p}) > 1]
+    panels = [("decode", p) for p in pasts] + ([("generate", None)] if gen else [])
+    if panels:
+        backends = list(dict.fromkeys(r["backend"] for r in dec + gen if r["backend"] != "mem-read"))
+        color = {b: f"C{i}" for i, b in enumerate(backends)}
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False, sharey=True)
+        for ax, (scen, past) in zip(axes[0], panels):
+            rows = [r for r in (dec if scen == "decode" else gen) if past is None or r["past"] == past]
+            for backend in dict.fromkeys(r["backend"] for r in rows):
+                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["backend"] == backend)
+                style = dict(color="0.5", linestyle=":", marker=".", label="reading the bytes once (same rounds)") \
+                    if backend == "mem-read" else dict(color=color[backend], marker="o", label=backend)
+                ax.plot([q[0] for q in pts], [q[1] for q in pts], **style)
+            ceil = sorted({(r["batch"], 1000.0 * r["batch"] / r["floor_ms"]) for r in rows if r.get("floor_ms")})
+            if scen == "decode" and ceil:
+                ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", linewidth=1, label="ceiling: batch / floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch")
+            ax.set_title(f"one decode step, past {past}" if scen == "decode" else "greedy generation")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("tokens/s")
+        fig.suptitle(f"{name}: decode throughput ({threads} threads)")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "tokens_per_s.png", plt))
     return written

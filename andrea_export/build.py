@@ -283,6 +283,7 @@ def build_engine(
     ccs, ccs_default = _compute_capabilities(trt, builder, compute_capabilities)
     plugin_calls = _plugin_calls(graph)
     precision = {p.key: p.value for p in graph.metadata_props}.get(PRECISION_KEY, "fp32")
+    _check_precision(name, precision, ccs)
     warnings: list[str] = []
     if rtx and timing_cache is not None:
         warnings.append(
@@ -520,6 +521,20 @@ def _compute_capabilities(trt, builder: str, requested: Sequence[str] | None) ->
     if "7.5" in out and len(out) > 1:
         raise ConfigError("compute capability 7.5 (Turing) must be built alone: TensorRT-RTX makes no portable engines with Turing")
     return out, False
+
+
+def _check_precision(name: str, precision: str, ccs: list[str]) -> None:
+    """Refuse, before the builder starts, a precision the target GPUs cannot run (TensorRT would fail
+    late and obscurely). Turing (7.5) has no bf16, and TensorRT-RTX builds no fp32 GEMMs for it."""
+    old = [cc for cc in ccs if cc != "?" and tuple(map(int, cc.split("."))) < (8, 0)]
+    if not old:
+        return
+    if precision == "bf16":
+        raise ConfigError(f"precision bf16 needs compute capability 8.0 or newer; the target {', '.join(old)} has "
+                          "no bf16: build fp16 (--precision fp16)")
+    if precision == "fp32" and name == "TensorRT-RTX":
+        raise ConfigError("TensorRT-RTX builds no fp32 matrix multiplies for compute capability 7.5 (Turing): "
+                          "build an fp16 graph (--precision fp16) for it")
 
 
 def _make_logger(trt):

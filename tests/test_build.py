@@ -204,6 +204,22 @@ def test_rtx_compute_capabilities(tiny_onnx, tmp_path):
 
 
 @needs_rtx
+def test_precision_the_target_cannot_run_is_refused_before_the_build(tiny_onnx, tmp_path):
+    from andrea_export.precision import convert_precision
+
+    with pytest.raises(ConfigError) as e:
+        build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", compute_capabilities=["7.5"])
+    assert str(e.value) == ("TensorRT-RTX builds no fp32 matrix multiplies for compute capability 7.5 (Turing): "
+                            "build an fp16 graph (--precision fp16) for it")
+    bf16 = convert_precision(tiny_onnx, tmp_path / "bf16.onnx", "bf16")
+    with pytest.raises(ConfigError) as e:
+        build_engine(bf16, tmp_path / "t.plan", builder="tensorrt-rtx", compute_capabilities=["7.5"])
+    assert str(e.value) == ("precision bf16 needs compute capability 8.0 or newer; the target 7.5 has no bf16: "
+                            "build fp16 (--precision fp16)")
+    assert _files(tmp_path) == ["bf16.onnx"]
+
+
+@needs_rtx
 def test_rtx_timing_cache_is_not_used(tiny_onnx, tmp_path):
     cache = tmp_path / "timing.cache"
     r = build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", timing_cache=cache,
