@@ -59,8 +59,16 @@ def main():
 
     \b
     Typical use:
-      andrea-export export --out build/model.onnx          # PyTorch -> ONNX (opset 20)
-      andrea-export verify build/model.onnx                 # Polygraphy: ONNX Runtime vs PyTorch
+      andrea-export build                                   # everything, into out/andrea-120m-fp32/
+      andrea-export build --checkpoint w.safetensors --precision fp16 --out out/fp16
+      andrea-export inspect out/fp16                        # what is in it, does it still match its sha256
+      andrea-export verify out/fp16                         # again, here (on a GPU host: the engines too)
+      andrea-export generate out/fp16 --prompt-ids 1,2,3    # KV-cache decoding
+      andrea-export package out/fp16 --triton models/       # a Triton model repository
+      andrea-export bench --quick                           # latency vs PyTorch and the machine's limits
+    \b
+    Single stages: `export` (PyTorch -> ONNX), `verify FILE.onnx` (Polygraphy vs PyTorch).
+    Without --checkpoint the weights are seeded random ones, announced on stderr.
     """
 
 

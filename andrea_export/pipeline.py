@@ -94,6 +94,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     # TensorRT reuses tactic timings across builds; TensorRT-RTX has no autotuning, so no cache by default.
     timing_cache = Path(opts.timing_cache) if opts.timing_cache else (out / "timing.cache" if builder == "tensorrt" else None)
 
+    previous = _previous_artifacts(out)
     t0 = time.perf_counter()
     try:
         with staging(out, marker_suffix=MANIFEST) as tmp:
@@ -102,12 +103,24 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
             manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
             manifest["artifacts"] = _hash_artifacts(tmp, manifest["artifacts"])
             write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+            # while the new files move in, the folder must not look finished with the old manifest
+            (out / MANIFEST).unlink(missing_ok=True)
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise BuildError(f"no space left on the device while writing the build into {out}; nothing was left "
-                             "behind: free some space (ANDREA-120M needs about 1.5 GB) and run it again") from None
+                             "behind: free some space (an fp32 ANDREA-120M build takes about 2.5 GB, twice that "
+                             "while it is staged) and run it again") from None
         raise
+    for name in previous - {a["path"] for a in manifest["artifacts"].values()}:  # a replaced build's leftovers
+        (out / name).unlink(missing_ok=True)
     return manifest
+
+
+def _previous_artifacts(out: Path) -> set[str]:
+    try:
+        return {a["path"] for a in json.loads((out / MANIFEST).read_text())["artifacts"].values()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
 
 
 def _load_model(opts: BuildOptions, cfg):

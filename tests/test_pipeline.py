@@ -152,3 +152,17 @@ def test_cli_build_and_inspect(tiny_build):
     assert json.loads(result.output)["built"]["builder"] == "tensorrt-rtx"
     result = runner.invoke(main, ["inspect", str(out / "build-config.toml")])
     assert result.exit_code == 1 and "cannot inspect a '.toml' file" in result.output
+
+
+def test_force_replaces_a_build_and_removes_its_leftovers(tiny_build, tmp_path):
+    import shutil
+
+    out, manifest = tiny_build
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    opts = BuildOptions(**manifest["options"] | {"out": str(copy), "decoder": False, "greedy_steps": 0,
+                                                  "verify_shapes": [[1, 4]]})
+    new = run_build(opts, force=True)
+    assert "decoder_onnx" not in new["artifacts"]
+    assert not (copy / "decoder.onnx").exists() and not (copy / "decoder.plan").exists()
+    assert read_manifest(copy)["options"]["decoder"] is False
