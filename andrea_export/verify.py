@@ -114,9 +114,10 @@ def lm_metrics(ref: np.ndarray, out: np.ndarray) -> dict:
     return {"top1_agreement": top1, "top5_overlap": top5, "max_kl": kl.max().item(), "mean_kl": kl.mean().item()}
 
 
-def greedy_agreement(runners, prompt: np.ndarray, steps: int) -> dict:
-    """Greedy-decode `steps` tokens from `prompt` with each runner (full recompute each step, no cache);
-    report where the artifacts first leave the reference."""
+def greedy_agreement_of_runners(runners, prompt: np.ndarray, steps: int) -> dict:
+    """Greedy-decode `steps` tokens from `prompt` with each Polygraphy runner of the standard graph (full
+    recompute each step, no cache); report where the artifacts first leave the reference. (The KV-cache
+    decoder's counterpart, through a runtime Session, is runtime.agreement.greedy_agreement.)"""
     seqs = []
     for r in runners:
         ids = prompt.copy()
@@ -185,7 +186,7 @@ def verify(
                     r.activate()
                 try:
                     prompt = rng.integers(0, cfg.vocab_size, size=(1, min(8, cfg.n_positions - greedy_steps)))
-                    greedy = greedy_agreement(runners, prompt.astype(np.int64), greedy_steps)
+                    greedy = greedy_agreement_of_runners(runners, prompt.astype(np.int64), greedy_steps)
                 finally:
                     for r in runners:
                         r.deactivate()

@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny model and its ONNX export, made once per session."""
+"""Shared fixtures, made once per session: the tiny model and its ONNX export; a "lively" tiny model
+(GPT-2 init at tiny size only repeats the last token; larger block weights make decoding vary) and
+its KV-cache decoder graph."""
 
 import pytest
 import torch
@@ -17,6 +19,25 @@ def tiny_onnx(tiny_model, tmp_path_factory):
     from andrea_export.export import export_onnx
 
     return export_onnx(tiny_model, tmp_path_factory.mktemp("tiny") / "model.onnx", quiet=True)
+
+
+@pytest.fixture(scope="session")
+def lively_model():
+    model = random_init(ANDREA_TINY, seed=0, announce=False)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if (name.startswith("h.") and p.dim() == 2) or name == "wpe.weight":
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="session")
+def lively_decoder(lively_model, tmp_path_factory):
+    """decoder.onnx of the lively model, alone in its folder (a folder `runtime.load` accepts)."""
+    from andrea_export.kvcache import DECODER_FILE, export_decoder_onnx
+
+    return export_decoder_onnx(lively_model, tmp_path_factory.mktemp("decoder") / DECODER_FILE, quiet=True)
 
 
 @pytest.fixture(autouse=True)

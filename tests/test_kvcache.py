@@ -13,7 +13,6 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from andrea_export.checkpoint import random_init
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.errors import ExportError
 from andrea_export.export import CONFIG_KEY, read_config
@@ -29,24 +28,14 @@ from andrea_export.kvcache import (
 from andrea_export.runtime.agreement import verify_decoder
 
 
-def lively(model):
-    """GPT-2 init at tiny size just repeats the last token; larger block weights make decoding vary."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if (name.startswith("h.") and p.dim() == 2) or name == "wpe.weight":
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
-    return model
+@pytest.fixture(scope="module")
+def model(lively_model):
+    return lively_model
 
 
 @pytest.fixture(scope="module")
-def model():
-    return lively(random_init(ANDREA_TINY, seed=0, announce=False))
-
-
-@pytest.fixture(scope="module")
-def decoder(model, tmp_path_factory):
-    return export_decoder_onnx(model, tmp_path_factory.mktemp("kv") / "decoder.onnx", quiet=True)
+def decoder(lively_decoder):
+    return lively_decoder
 
 
 def _dims(v):
