@@ -166,3 +166,16 @@ def test_force_replaces_a_build_and_removes_its_leftovers(tiny_build, tmp_path):
     assert "decoder_onnx" not in new["artifacts"]
     assert not (copy / "decoder.onnx").exists() and not (copy / "decoder.plan").exists()
     assert read_manifest(copy)["options"]["decoder"] is False
+
+
+def test_ctrl_c_mid_build_leaves_nothing(tmp_path, monkeypatch):
+    import andrea_export.build
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(andrea_export.build, "build_engine", interrupted)  # as if the user pressed Ctrl-C there
+    out = tmp_path / "b"
+    with pytest.raises(KeyboardInterrupt):
+        run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=0))
+    assert list(out.iterdir()) == []
