@@ -47,6 +47,7 @@ from .bench_report import KIND, SCHEMA_VERSION, write_outputs
 from .config import ModelConfig, load_config
 from .errors import AndreaExportError
 from .model import Andrea
+from .names import INPUT_IDS
 from .progress import console
 
 BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin")
@@ -869,7 +870,7 @@ class TrtBackend(Backend):
         return run
 
     def prefill(self, ids):
-        return self._bound("prefill", {"input_ids": ids})
+        return self._bound("prefill", {INPUT_IDS: ids})
 
     def decode(self, ids, mask, past):
         from .kvcache import ATTENTION_MASK, INPUT_IDS, kv_layout

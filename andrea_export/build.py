@@ -35,13 +35,12 @@ import onnx
 from .artifacts import atomic_path, sha256_file, write_text_atomic
 from .config import ModelConfig
 from .errors import BuildError, ConfigError, MissingDependency, require
+from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from .progress import console, warn
 
 BUILDERS = ("tensorrt", "tensorrt-rtx")
 _MODULES = {"tensorrt": ("tensorrt", "tensorrt"), "tensorrt-rtx": ("tensorrt_rtx", "rtx")}  # module, pip extra
-INPUT_NAME = "input_ids"  # = export.INPUT_NAME (not imported: export.py pulls in torch)
-CONFIG_KEY = "andrea.config"  # = export.CONFIG_KEY
-PRECISION_KEY = "andrea.precision"  # = precision.PRECISION_KEY
+INPUT_NAME = INPUT_IDS
 OPT_LEVELS = range(0, 6)  # builder_optimization_level: 0 (fastest build) .. 5 (most search); 3 is TensorRT's default
 # TensorRT-RTX's own default targets, documented: "an engine built by TensorRT-RTX can be run on GPU
 # devices with compute capability 8.0, 8.6, 8.9, 12.0, and later" (cpu-engines.html). We keep that

@@ -24,9 +24,9 @@ from .artifacts import atomic_path, sha256_file
 from .config import ModelConfig
 from .errors import CheckpointError, ConfigError
 from .model import Andrea
+from .names import CONFIG_KEY
 from .progress import warn
 
-CONFIG_KEY = "andrea.config"
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 HF_IGNORED = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # causal-mask buffers in old GPT-2 files
 GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # every GPT-2 size: head_dim 64
@@ -177,6 +177,26 @@ def _check_against(model: Andrea, tensors: dict[str, torch.Tensor], path: Path) 
             raise CheckpointError(
                 f"{path}: tensor '{k}' has shape {list(tensors[k].shape)}, expected {list(v.shape)} for {model.cfg.name}"
             )
+
+
+def model_for(source: dict, cfg: ModelConfig | None, checkpoint: str | Path | None = None, what: str = "it") -> Andrea:
+    """The model whose weights an artifact records as `source` (its `weights_source`): the given
+    checkpoint, checked against the recorded sha256, or the recorded seeded random init. Refuses to
+    guess when the artifact came from a checkpoint that is not given. `what` names the artifact."""
+    if checkpoint is not None:
+        if source.get("kind") == "random-init":
+            raise CheckpointError(f"{what} was made from random weights (seed {source['seed']}), not from a "
+                                  f"checkpoint; leave out --checkpoint {checkpoint}")
+        model = load_checkpoint(checkpoint, cfg)
+        if source.get("sha256") not in (None, model.weights_source["sha256"]):
+            raise CheckpointError(f"{what} was made from a checkpoint with sha256 {source['sha256'][:12]}..., "
+                                  f"not from {checkpoint} ({model.weights_source['sha256'][:12]}...)")
+        return model
+    if source.get("kind") == "random-init" and cfg is not None:
+        return random_init(cfg, seed=source["seed"])
+    if source.get("kind") == "checkpoint":
+        raise CheckpointError(f"{what}: its weights came from a checkpoint; pass that checkpoint (--checkpoint)")
+    raise CheckpointError(f"{what}: records no weight source (not made by andrea-export); pass --checkpoint and --config")
 
 
 def load_model(checkpoint: str | Path | None = None, config: ModelConfig | None = None, seed: int = 0) -> Andrea:

@@ -30,10 +30,6 @@ class BuildError(AndreaExportError):
     """An engine build failed or was refused."""
 
 
-class VerificationError(AndreaExportError):
-    """Verification could not run (not: verification ran and failed; that is a report)."""
-
-
 class MissingDependency(AndreaExportError):
     """An optional package is needed for this step; the message says what to install."""
 

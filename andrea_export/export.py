@@ -21,13 +21,12 @@ from .artifacts import staging
 from .config import ModelConfig
 from .errors import ExportError
 from .model import Andrea
+from .names import CONFIG_KEY, INPUT_IDS, LOGITS, WEIGHTS_KEY
 from .progress import step
 
 OPSET = 20
-INPUT_NAME = "input_ids"  # int64 [batch, seq]
-OUTPUT_NAME = "logits"  # float32 [batch, seq, vocab]
-CONFIG_KEY = "andrea.config"
-WEIGHTS_KEY = "andrea.weights"  # where the weights came from: a checkpoint (sha256) or a seeded random init
+INPUT_NAME = INPUT_IDS  # int64 [batch, seq]
+OUTPUT_NAME = LOGITS  # float32 [batch, seq, vocab]
 EXTERNAL_DATA_ABOVE = 1 << 30  # bytes of weights; above this the weights go to <name>.onnx.data
 
 

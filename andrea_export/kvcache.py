@@ -37,14 +37,10 @@ from .config import ModelConfig
 from .errors import ExportError
 from .export import OPSET, check_onnx, export_program
 from .model import Andrea
+from .names import ATTENTION_MASK, INPUT_IDS, KV_LAYOUT_KEY, LOGITS
 
 DECODER_FILE = "decoder.onnx"  # its name inside a build folder
-KV_LAYOUT_KEY = "andrea.kv_layout"
 LAYOUT_VERSION = 1
-
-INPUT_IDS = "input_ids"
-ATTENTION_MASK = "attention_mask"
-LOGITS = "logits"
 
 # Symbolic axis names, as written into the ONNX graph.
 BATCH, NEW, PAST, TOTAL = "batch", "new_tokens", "past_len", "past_len + new_tokens"

@@ -21,6 +21,7 @@ from . import __version__
 from .artifacts import sha256_file, staging, write_text_atomic
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
+from .names import INPUT_IDS
 from .progress import console, step, warn
 
 SCHEMA_VERSION = 1
@@ -354,7 +355,7 @@ def _verification(report) -> dict:
 def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shapes=None, greedy_steps: int = 32) -> dict:
     """Verify a finished build folder again, here: on a GPU host this runs the engine too. Rewrites
     verify.json and the manifest's status; refuses a folder whose files changed since the build."""
-    from .checkpoint import load_checkpoint, random_init
+    from .checkpoint import model_for
     from .config import ModelConfig
 
     folder = Path(folder)
@@ -363,15 +364,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
     if altered:
         raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
     cfg = ModelConfig.from_dict(m["model"], source=f"{folder}/{MANIFEST}")
-    weights = m["weights"]
-    if weights.get("kind") == "random-init" and checkpoint is None:
-        model = random_init(cfg, seed=weights["seed"])
-    elif checkpoint is not None:
-        model = load_checkpoint(checkpoint, cfg)
-        if weights.get("sha256") != model.weights_source["sha256"]:
-            raise BuildError(f"{checkpoint} is not the checkpoint {folder} was built from (sha256 differs)")
-    else:
-        raise BuildError(f"{folder} was built from a checkpoint; pass it (--checkpoint) to verify against it")
+    model = model_for(m["weights"], cfg, checkpoint, what=str(folder))
     paths = {role: a["path"] for role, a in m["artifacts"].items()}
     engine_info = json.loads((folder / paths["engine_info"]).read_text())
     report = _verify(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
@@ -385,7 +378,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
 
 def _profile_shapes(p) -> dict:
     (bmin, smin), (bopt, sopt), (bmax, smax) = p.shapes()
-    return {"input_ids": {"min": [bmin, smin], "opt": [bopt, sopt], "max": [bmax, smax]}}
+    return {INPUT_IDS: {"min": [bmin, smin], "opt": [bopt, sopt], "max": [bmax, smax]}}
 
 
 def _plugin_info(report, builder: str) -> dict:

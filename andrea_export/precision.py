@@ -39,13 +39,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from .artifacts import staging
 from .errors import ConfigError, ExportError
+from .names import KV_LAYOUT_KEY, LOGITS, PRECISION_KEY
 
 PRECISIONS = ("fp32", "fp16", "bf16")
 ONNX_TYPE = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 KEEP_FP32 = ("LayerNormalization", "Softmax")  # ops whose statistics stay float32
-FP32_OUTPUTS = ("logits",)  # stays float32 whatever the precision; other float I/O (the KV cache) follows it
-KV_LAYOUT_KEY = "andrea.kv_layout"  # = kvcache.KV_LAYOUT_KEY: its cache_dtype follows the graph's precision
-PRECISION_KEY = "andrea.precision"  # ONNX metadata: which precision this graph is
+FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/O (the KV cache) follows it
 
 # Verification tolerances per precision: the ONE place they live (verification reads them from here).
 # A logit passes when |engine - reference| <= atol + rtol * |reference| (numpy.allclose semantics).

@@ -262,25 +262,9 @@ def print_summary(report: VerifyReport) -> None:
 def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = None, config=None) -> Andrea:
     """The PyTorch model an ONNX file must match: the given checkpoint, or the seeded random init that the
     file's metadata records. Refuses to guess when the file came from a checkpoint that is not given."""
-    from .checkpoint import load_checkpoint, random_init
-    from .errors import VerificationError
+    from .checkpoint import model_for
     from .export import CONFIG_KEY, WEIGHTS_KEY, read_config, read_metadata
 
     meta = read_metadata(onnx_path)
-    source = json.loads(meta.get(WEIGHTS_KEY, "{}"))
     cfg = config or (read_config(onnx_path) if CONFIG_KEY in meta else None)
-    if checkpoint is not None:
-        model = load_checkpoint(checkpoint, cfg)
-        if source.get("sha256") not in (None, model.weights_source["sha256"]):
-            raise VerificationError(
-                f"{onnx_path} was exported from a checkpoint with sha256 {source['sha256'][:12]}..., "
-                f"not from {checkpoint} ({model.weights_source['sha256'][:12]}...)"
-            )
-        return model
-    if source.get("kind") == "random-init" and cfg is not None:
-        return random_init(cfg, seed=source["seed"])
-    raise VerificationError(
-        f"{onnx_path}: its weights came from a checkpoint; pass that checkpoint (--checkpoint) to verify against it"
-        if source.get("kind") == "checkpoint"
-        else f"{onnx_path}: records no weight source (not exported by andrea-export); pass --checkpoint and --config"
-    )
+    return model_for(json.loads(meta.get(WEIGHTS_KEY, "{}")), cfg, checkpoint, what=str(onnx_path))

@@ -7,7 +7,7 @@ import torch
 
 from andrea_export.checkpoint import random_init, save_checkpoint
 from andrea_export.config import ANDREA_TINY
-from andrea_export.errors import VerificationError
+from andrea_export.errors import CheckpointError
 from andrea_export.verify import lm_metrics, reference_model_for, verify
 
 
@@ -62,14 +62,14 @@ def test_reference_from_metadata_and_checkpoint(tiny_model, tiny_onnx, tmp_path)
     again = reference_model_for(tiny_onnx)  # random init seed 0, as the ONNX metadata says
     assert torch.equal(again.wte.weight, tiny_model.wte.weight)
     ckpt = save_checkpoint(random_init(ANDREA_TINY, seed=5, announce=False), tmp_path / "w.safetensors")
-    with pytest.raises(VerificationError, match="was exported from a checkpoint with sha256|records no weight"):
+    with pytest.raises(CheckpointError, match="was made from a checkpoint with sha256 .*, not from .*other.safetensors"):
         from andrea_export.checkpoint import load_checkpoint
         from andrea_export.export import export_onnx
 
         exported = export_onnx(load_checkpoint(ckpt), tmp_path / "from-ckpt.onnx", quiet=True)
         other = save_checkpoint(random_init(ANDREA_TINY, seed=6, announce=False), tmp_path / "other.safetensors")
         reference_model_for(exported, other)
-    with pytest.raises(VerificationError, match="its weights came from a checkpoint; pass that checkpoint"):
+    with pytest.raises(CheckpointError, match="its weights came from a checkpoint; pass that checkpoint"):
         reference_model_for(exported)
     assert torch.equal(reference_model_for(exported, ckpt).wte.weight, load_checkpoint(ckpt).wte.weight)
 
@@ -77,3 +77,10 @@ def test_reference_from_metadata_and_checkpoint(tiny_model, tiny_onnx, tmp_path)
 def test_shape_outside_the_model(tiny_model, tiny_onnx):
     with pytest.raises(ValueError, match=r"shape \(1, 129\) is outside the model: batch >= 1, 1 <= seq <= 128"):
         verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 129)], quiet=True)
+
+
+def test_a_checkpoint_for_a_random_init_export_is_refused(tiny_onnx, tmp_path):
+    ckpt = save_checkpoint(random_init(ANDREA_TINY, seed=5, announce=False), tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match=r"was made from random weights \(seed 0\), not from a checkpoint; "
+                                              r"leave out --checkpoint"):
+        reference_model_for(tiny_onnx, ckpt)

@@ -42,9 +42,9 @@ import onnx_ir as ir
 
 from ..artifacts import staging
 from ..errors import ExportError, PluginError
+from ..names import PLUGIN_KEY
 from ..plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION
 
-PLUGIN_KEY = "andrea.plugin"  # ONNX metadata written by the pass (JSON)
 FUNCTION_VERSION = 1  # opset version of the model-local domain "andrea"
 
 # Constants that give a decomposed tanh-GELU away: 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x^3))).

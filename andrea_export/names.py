@@ -1,0 +1,13 @@
+"""The names every artifact shares: graph inputs and outputs, and the ONNX metadata keys. A module of
+its own, importing nothing, so the builder and the precision pass agree with the exporter without
+pulling in torch."""
+
+INPUT_IDS = "input_ids"  # int64 [batch, tokens]
+ATTENTION_MASK = "attention_mask"  # int64 [batch, past + tokens] (KV-cache decoder)
+LOGITS = "logits"  # float32 [batch, tokens, vocab], whatever the graph's precision
+
+CONFIG_KEY = "andrea.config"  # the ModelConfig, JSON (ONNX metadata and safetensors metadata)
+WEIGHTS_KEY = "andrea.weights"  # where the weights came from: a checkpoint (sha256) or a seeded random init
+PRECISION_KEY = "andrea.precision"  # fp32 | fp16 | bf16 (precision.convert_precision)
+KV_LAYOUT_KEY = "andrea.kv_layout"  # the decoder's cache layout (kvcache.KVLayout)
+PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (passes/gelu_plugin.py)
