@@ -71,7 +71,9 @@ def trt_module(builder: str):
 _NAMES = {"tensorrt": "TensorRT", "tensorrt-rtx": "TensorRT-RTX"}
 
 
-def _importable(module: str) -> bool:
+def installed(module: str) -> bool:
+    """Whether `tensorrt` / `tensorrt_rtx` is really there: tensorrt-stubs alone makes `import tensorrt`
+    succeed as an empty namespace package, so the check is for a Builder."""
     try:
         return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), "Builder")
     except (ImportError, ValueError):  # ValueError: a None entry in sys.modules
@@ -99,9 +101,9 @@ def resolve_builder(choice: str = "auto") -> str:
     """"tensorrt" or "tensorrt-rtx". auto: TensorRT when it imports and a GPU is present, else
     TensorRT-RTX (which builds on a CPU), else an error that says what to install."""
     if choice == "auto":
-        if gpu_compute_capability() is not None and _importable("tensorrt"):
+        if gpu_compute_capability() is not None and installed("tensorrt"):
             return "tensorrt"
-        if _importable("tensorrt_rtx"):
+        if installed("tensorrt_rtx"):
             return "tensorrt-rtx"
         raise MissingDependency(
             "no engine builder available: install TensorRT-RTX, which builds engines on any machine "

@@ -36,16 +36,13 @@ def tensorrt_engines(workdir: Path) -> list[tuple[str, str, str]]:
     the native-GELU engine of the same graph, then prefill 8 x 512 timed side by side (bench harness,
     CUDA events) and against PyTorch eager fp16 on the same GPU. Goals: the plugin engine within 10 %
     of the native one; TensorRT >= 3x faster than PyTorch eager."""
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        return [("TensorRT engines", "skipped", f"skipped: TensorRT is not installed ({e})")]
-    if not hasattr(trt, "Builder"):
-        return [("TensorRT engines", "skipped", "skipped: only tensorrt-stubs is installed, not TensorRT")]
+    from andrea_export.build import Profiles, build_engine, installed
+
+    if not installed("tensorrt"):
+        return [("TensorRT engines", "skipped", "skipped: TensorRT is not installed (pip install 'andrea-export[tensorrt]')")]
     import torch
 
     from andrea_export import bench
-    from andrea_export.build import Profiles, build_engine
     from andrea_export.checkpoint import random_init
     from andrea_export.config import ANDREA_120M
     from andrea_export.pipeline import BuildOptions, run_build

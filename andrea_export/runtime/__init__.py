@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..build import installed
 from ..export import read_config
 from ..kvcache import DECODER_FILE, check_decoder_onnx
 from .base import InputError, Session, check_ids
@@ -24,14 +25,6 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt")
 ENGINE_FILE = "decoder.plan"  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Sampling", "Session", "check_ids", "load", "next_token"]
-
-
-def _tensorrt_importable() -> bool:
-    try:
-        import tensorrt as trt
-    except ImportError:
-        return False
-    return hasattr(trt, "Runtime")  # `tensorrt-stubs` alone makes `import tensorrt` succeed as an empty namespace
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
@@ -82,7 +75,7 @@ def load(
     layout = check_decoder_onnx(onnx_path)  # ExportError with a clear message for a graph without the KV layout
     cfg = read_config(onnx_path)
     if backend == "auto":
-        backend = "tensorrt" if engine is not None and _tensorrt_importable() else "onnxruntime"
+        backend = "tensorrt" if engine is not None and installed("tensorrt") else "onnxruntime"
     if backend == "tensorrt":
         if engine is None:
             raise InputError(
