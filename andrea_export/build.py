@@ -10,7 +10,8 @@ each other, and the code branches only where they differ:
 | timing cache | loaded, used, saved | a documented no-op (deprecated in RTX 1.2): not written |
 | layer report | engine inspector (JSON) | engine inspector needs an RTX GPU; else the builder's own layer log |
 
-Both are strongly typed: precision comes from the ONNX graph (see precision.py), never from flags.
+Both are strongly typed: precision comes from the ONNX graph (see precision.py), never from flags. On
+TensorRT 10.x that is opt-in, so every network is created with `network_flags(trt)`.
 
 Beside `<name>.plan` a build writes `<name>.plan.json` (what built it, for what, from what: read back by
 `check_engine_compat` before an engine is reused) and `<name>.layers.json` (the layer report).
@@ -78,6 +79,12 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), "Builder")
     except (ImportError, ValueError):  # ValueError: a None entry in sys.modules
         return False
+
+
+def network_flags(trt) -> int:
+    """`create_network` flags for a strongly typed network. Opt-in on TensorRT 10.x, always on (and ignored)
+    in 11 and TensorRT-RTX; the enum's value differs (1 on 10.x, 0 on 11), so it is taken from the enum."""
+    return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
 
 
 def gpu_compute_capability() -> str | None:
@@ -308,7 +315,7 @@ def build_engine(
     logger = _make_logger(trt)
     t0 = time.perf_counter()
     b = trt.Builder(logger)
-    network = b.create_network(0)  # strongly typed is the only mode in TensorRT 11 / RTX
+    network = b.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     if not parser.parse_from_file(str(onnx_path)):  # from the file: external weights are found beside it
         errors = []

@@ -329,3 +329,75 @@ def test_rtx_build_full_size(tmp_path):
         r = build_engine(src, tmp_path / f"{precision}.plan", builder="tensorrt-rtx", progress=False)
         print(f"ANDREA-120M {precision}: RTX AOT build {time.perf_counter() - t0:.1f} s, plan {r.plan_bytes / 1e6:.0f} MB")
         assert r.precision == precision and r.plan_bytes > 92_331_264 * (4 if precision == "fp32" else 2) * 0.9
+
+
+# --- strongly typed networks ------------------------------------------------------------------------
+# STRONGLY_TYPED is opt-in on TensorRT 10.x (enum value 1) and always on in 11 and RTX (value 0), so the
+# flag must be set through the enum: the number that works on one version is another flag on the other.
+
+_ENUMS = {"10.16": {"EXPLICIT_BATCH": 0, "STRONGLY_TYPED": 1, "PREFER_JIT_PYTHON_PLUGINS": 2,
+                    "PREFER_AOT_PYTHON_PLUGINS": 3},
+          "11.4": {"STRONGLY_TYPED": 0, "PREFER_JIT_PYTHON_PLUGINS": 1, "PREFER_AOT_PYTHON_PLUGINS": 2}}  # fmt: skip
+
+
+class _NetworkCreated(Exception):
+    """Stops the stand-in build once the network exists: the flags are what this test is about."""
+
+
+def _trt_standin(version: str, calls: list[int]):
+    """The part of the `tensorrt` module build_engine touches before it parses, with `version`'s enum."""
+    import enum
+    import types
+
+    flag = enum.IntEnum("NetworkDefinitionCreationFlag", _ENUMS[version])
+
+    class ILogger:
+        Severity = enum.IntEnum("Severity", "INTERNAL_ERROR ERROR WARNING INFO VERBOSE")
+
+        def __init__(self):
+            pass
+
+    class Builder:
+        def __init__(self, logger):
+            assert isinstance(logger, ILogger)
+
+        def create_network(self, flags: int = 0):
+            assert isinstance(flags, int) and flags >= 0 and flags >> len(flag) == 0, f"unknown flag bits {flags:#x}"
+            calls.append(flags)
+            raise _NetworkCreated
+
+    return types.SimpleNamespace(__version__=version, NetworkDefinitionCreationFlag=flag, ILogger=ILogger, Builder=Builder)
+
+
+@pytest.mark.parametrize("version", sorted(_ENUMS))
+def test_network_is_strongly_typed_on_every_tensorrt(monkeypatch, tiny_onnx, tmp_path, version):
+    import andrea_export.build as build
+
+    calls: list[int] = []
+    trt = _trt_standin(version, calls)
+    monkeypatch.setattr(build, "resolve_builder", lambda choice: "tensorrt")
+    monkeypatch.setattr(build, "trt_module", lambda builder: trt)
+    with pytest.raises(_NetworkCreated):
+        build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt", progress=False)
+    strongly_typed = 1 << _ENUMS[version]["STRONGLY_TYPED"]
+    assert calls == [strongly_typed]  # that flag alone: on 10.x bit 1, on 11 bit 0
+    assert _files(tmp_path) == []
+
+
+@needs_rtx
+def test_rtx_network_is_created_strongly_typed(monkeypatch, tiny_onnx, tmp_path):
+    import tensorrt_rtx as trt
+
+    flags: list[int] = []
+
+    class Builder(trt.Builder):  # the real builder, watched
+        def create_network(self, f=0):
+            flags.append(f)
+            network = super().create_network(f)
+            assert network.get_flag(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+            return network
+
+    monkeypatch.setattr(trt, "Builder", Builder)
+    build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", profiles=Profiles.parse("batch=1,seq=1:8:32"),
+                 opt_level=0, progress=False)
+    assert flags == [1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)]

@@ -13,6 +13,7 @@ import onnxruntime as ort
 import pytest
 import torch
 
+from andrea_export.build import network_flags
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.errors import ExportError
 from andrea_export.export import CONFIG_KEY, read_config
@@ -185,7 +186,7 @@ def test_tensorrt_rtx_builds_the_decoder_with_both_profiles(decoder):
 
     logger = trt.Logger(trt.Logger.ERROR)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    network = builder.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
     assert parser.parse_from_file(str(decoder)), [parser.get_error(i).desc() for i in range(parser.num_errors)]
     config = builder.create_builder_config()

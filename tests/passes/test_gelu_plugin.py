@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from andrea_export.build import network_flags
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.errors import PluginError
 from andrea_export.export import CONFIG_KEY, export_onnx, op_counts
@@ -352,7 +353,7 @@ def test_tensorrt_rtx_parser_expands_the_function_into_native_layers(tiny):
     for path in (tiny[2].path, tiny[3].path):
         logger = trt.Logger(trt.Logger.ERROR)
         builder = trt.Builder(logger)
-        network = builder.create_network(0)
+        network = builder.create_network(network_flags(trt))
         parser = trt.OnnxParser(network, logger)
         assert parser.parse_from_file(str(path)), [parser.get_error(i).desc() for i in range(parser.num_errors)]
         layers = [network.get_layer(i) for i in range(network.num_layers)]
