@@ -389,8 +389,11 @@ def _plugin_info(report, builder: str) -> dict:
             "embedded": builder == "tensorrt"}  # AOT: the kernel's PTX is inside the engine; no library to load
     try:
         from .plugin.compile import PLUGIN_ARCH, compile_ptx
+        from .plugin.register import plugin_kernel
 
-        info["kernel"] = compile_ptx(PLUGIN_ARCH).manifest()
+        # TensorRT: the kernel register_plugins compiled, which the engine embeds; else the portable sm_80 PTX
+        embedded = plugin_kernel() if builder == "tensorrt" else None
+        info["kernel"] = (embedded or compile_ptx(PLUGIN_ARCH)).manifest()
     except AndreaExportError as e:  # NVRTC missing: the graph and the engine do not depend on it
         info["kernel"] = f"not compiled here: {e}"
     return info

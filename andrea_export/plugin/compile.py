@@ -125,6 +125,45 @@ def detect_compute_capability(device: int = 0) -> tuple[int, int] | None:
     return major.value, minor.value
 
 
+def cuda_driver_version() -> int | None:
+    """The CUDA version the installed driver supports (cuDriverGetVersion: 13000 = 13.0), or None without libcuda."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int()
+    if cuda.cuDriverGetVersion(ctypes.byref(version)) != 0:  # needs no cuInit
+        return None
+    return version.value
+
+
+def check_driver(kernel: "CompiledKernel", driver: int | None) -> None:
+    """Refuse PTX the installed driver cannot JIT-compile: it loads PTX up to the ISA of its own CUDA release,
+    so a driver for CUDA d can load what NVRTC of CUDA v wrote only when d >= v. driver: cuDriverGetVersion's
+    value (12080 = CUDA 12.8); None (no driver here) checks nothing: TensorRT itself cannot run then."""
+    if driver is None:
+        return
+    m = re.match(r"(\d+)\.(\d+)", kernel.nvrtc_version)
+    if not m:
+        raise PluginError(f"cannot tell the CUDA version of NVRTC {kernel.nvrtc_version!r}")
+    needed = (int(m.group(1)), int(m.group(2)))
+    have = (driver // 1000, driver % 1000 // 10)
+    if have >= needed:
+        return
+    wheel = f"nvidia-cuda-nvrtc{'-cu12' if have[0] == 12 else ''}=={have[0]}.{have[1]}.*"
+    older = (
+        f", or compile the kernel for this driver with its own NVRTC: pip install '{wheel}' and set ANDREA_NVRTC "
+        f"to that wheel's libnvrtc.so (PTX ISA of CUDA {have[0]}.{have[1]})"
+        if have >= (12, 0) else ""
+    )  # fmt: skip
+    raise PluginError(
+        f"the tanh-GELU kernel is PTX ISA {kernel.ptx_isa} (NVRTC {kernel.nvrtc_version}), which needs an "
+        f"{kernel.driver_floor} driver; this host's driver supports CUDA {have[0]}.{have[1]} "
+        f"(cuDriverGetVersion {driver}) and would refuse it when TensorRT loads the engine. "
+        f"Update the NVIDIA driver{older}"
+    )
+
+
 # ---- NVRTC through ctypes -----------------------------------------------------------------------------
 
 

@@ -36,7 +36,9 @@ from .compile import (
     BLOCK_SIZE,
     CompiledKernel,
     best_arch,
+    check_driver,
     compile_ptx,
+    cuda_driver_version,
     detect_compute_capability,
     kernel_name,
     vector_width,
@@ -70,7 +72,7 @@ def _import_tensorrt() -> Any:
 
 
 def plugin_kernel() -> CompiledKernel | None:
-    """The PTX that registered plugins embed (None until register_plugins ran): for the manifest."""
+    """The PTX that registered plugins embed (None until register_plugins ran): what the manifest records."""
     return _state.get("kernel")
 
 
@@ -79,13 +81,15 @@ def register_plugins(arch: str | None = None, nvrtc: str | None = None) -> tuple
 
     arch: the PTX target the engines embed; default: the GPU TensorRT builds on (best_arch of its compute
     capability), or sm_80 when no GPU answers. nvrtc: a libnvrtc to compile with (see compile.load_nvrtc).
-    The kernel is compiled here (cached on disk), so a broken toolchain fails now and not mid-build."""
+    The kernel is compiled here (cached on disk), so a broken toolchain fails now and not mid-build, and its
+    PTX ISA is checked against the installed driver (cuDriverGetVersion), which would refuse a newer one."""
     trt = _import_tensorrt()
     import tensorrt.plugin as trtp  # type: ignore[import-not-found,import-untyped,unused-ignore]  # no stubs
 
     if "ids" in _state:
         return tuple(_state["ids"])
     kernel = compile_ptx(arch or best_arch(detect_compute_capability()), nvrtc=nvrtc)
+    check_driver(kernel, cuda_driver_version())  # an older driver would refuse the PTX late, inside TensorRT
     _state["kernel"] = kernel
     dtypes = {trt.float32: "float32", trt.float16: "float16", trt.bfloat16: "bfloat16"}
 

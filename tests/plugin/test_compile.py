@@ -165,3 +165,51 @@ def test_sass(ptx_by_arch, arch, tmp_path, record_property):
         assert loads128 >= (2 if "_bias_" in name else 1), name  # x (and bias) in 16-byte vectors
         assert any(op.startswith("STG.E.128") for op in ops), name
         assert ops.count("MUFU.TANH") >= 2 + (4 if name.endswith("f32") else 8), name  # head, tail, one vector
+
+
+# --- the driver floor: PTX that the installed driver cannot JIT is refused before TensorRT sees it ----------
+
+
+def _kernel(nvrtc: str, isa: str, floor: str):
+    from andrea_export.plugin.compile import CompiledKernel
+
+    return CompiledKernel(ptx="", arch="sm_80", ptx_isa=isa, nvrtc_version=nvrtc, driver_floor=floor, options=(),
+                          source_sha256="", ptx_sha256="", entry_points=())  # fmt: skip
+
+
+@pytest.mark.parametrize("driver", [None, 13000, 13020, 14000])
+def test_driver_new_enough_passes(driver):
+    from andrea_export.plugin.compile import check_driver
+
+    check_driver(_kernel("13.0 (nvidia-cuda-nvrtc 13.0.88)", "9.0", "R580 (CUDA 13.0) or newer"), driver)
+    check_driver(_kernel("12.8", "8.7", "R570 (CUDA 12.8) or newer"), 12080 if driver is None else driver)
+
+
+def test_driver_too_old_is_refused_with_what_to_do():
+    from andrea_export.plugin.compile import check_driver
+
+    k = _kernel("13.0 (nvidia-cuda-nvrtc 13.0.88)", "9.0", "R580 (CUDA 13.0) or newer")
+    with pytest.raises(PluginError) as e:
+        check_driver(k, 12080)  # an R570 host
+    assert str(e.value) == (
+        "the tanh-GELU kernel is PTX ISA 9.0 (NVRTC 13.0 (nvidia-cuda-nvrtc 13.0.88)), which needs an R580 (CUDA 13.0) "
+        "or newer driver; this host's driver supports CUDA 12.8 (cuDriverGetVersion 12080) and would refuse it when "
+        "TensorRT loads the engine. Update the NVIDIA driver, or compile the kernel for this driver with its own NVRTC: "
+        "pip install 'nvidia-cuda-nvrtc-cu12==12.8.*' and set ANDREA_NVRTC to that wheel's libnvrtc.so (PTX ISA of CUDA 12.8)"
+    )
+    with pytest.raises(PluginError) as e:
+        check_driver(_kernel("12.8", "8.7", "R570 (CUDA 12.8) or newer"), 12040)
+    assert "pip install 'nvidia-cuda-nvrtc-cu12==12.4.*'" in str(e.value)
+    with pytest.raises(PluginError) as e:
+        check_driver(_kernel("13.5", "9.5", "a CUDA 13.5 driver or newer"), 13000)  # NVRTC newer than an R580 driver
+    assert "pip install 'nvidia-cuda-nvrtc==13.0.*'" in str(e.value)
+    with pytest.raises(PluginError) as e:
+        check_driver(k, 11080)  # no NVRTC of ours writes PTX that old: only the driver update is offered
+    assert str(e.value).endswith("(cuDriverGetVersion 11080) and would refuse it when TensorRT loads the engine. Update the NVIDIA driver")
+
+
+def test_driver_version_here():
+    from andrea_export.plugin.compile import cuda_driver_version
+
+    v = cuda_driver_version()
+    assert v is None or v >= 11000  # None on a machine without libcuda, as here

@@ -18,6 +18,9 @@ from andrea_export.errors import PluginError
 from andrea_export.plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION, register
 from andrea_export.plugin.compile import BLOCK_SIZE, grid_size, kernel_name
 
+# NVIDIA's 10.9 sources have docstrings with "\s" in them, which Python 3.12 warns about on import
+pytestmark = pytest.mark.filterwarnings("ignore:invalid escape sequence:DeprecationWarning")
+
 DTYPES = {S.DataType.FLOAT: "float32", S.DataType.HALF: "float16", S.DataType.BF16: "bfloat16"}
 INNER = 3072  # 4 * n_embd of ANDREA-120M; the runs below also use a width that is no multiple of anything
 SHAPES = [(1, 1), (1, 7), (3, 129), (8, 1024)]  # (batch, seq) at run time
