@@ -84,11 +84,15 @@ def driver_floor(nvrtc_version: tuple[int, int]) -> str:
 
 
 def kernel_source_path() -> Path:
-    """plugins/gelu_tanh/gelu_tanh.cu of this checkout (ANDREA_GELU_SOURCE overrides)."""
+    """gelu_tanh.cu: plugins/gelu_tanh/ of a checkout (editable installs too), else the copy an installed wheel
+    carries in andrea_export/_kernels/ (pyproject.toml maps it there). ANDREA_GELU_SOURCE overrides both."""
     env = os.environ.get("ANDREA_GELU_SOURCE")
     if env:
         return Path(env)
-    return Path(__file__).resolve().parents[2] / "plugins" / "gelu_tanh" / "gelu_tanh.cu"
+    package = Path(__file__).resolve().parents[1]
+    checkout = package.parent / "plugins" / "gelu_tanh" / "gelu_tanh.cu"
+    installed = package / "_kernels" / "gelu_tanh.cu"
+    return installed if installed.is_file() and not checkout.is_file() else checkout
 
 
 def default_cache_dir() -> Path:
