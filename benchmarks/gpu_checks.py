@@ -1,138 +1,361 @@
-"""The one script a GPU host runs for the tanh-GELU plugin kernel:
+"""The one script a GPU host runs for the tanh-GELU plugin and the TensorRT engines, section by section:
 
-  1. compile the kernel with andrea_export.plugin.compile (NVRTC, pinned) and load the PTX through the
-     driver (CuPy): this also proves the driver accepts the PTX ISA we emit;
-  2. correctness for float32 / float16 / bfloat16, plain and bias variants, odd lengths, misaligned
-     offsets, NaN-poisoned outputs, fresh inputs each case: against the float64 reference with the GPU
-     error bound (reference.error_bound(device="gpu")) and against torch's gelu(approximate="tanh");
-  3. speed on 64M fp16 elements: ours vs torch's GELU vs a device-to-device copy (goal: >= 90 % of copy);
-  4. if TensorRT imports: `andrea-export build` of ANDREA-120M fp16 with the plugin (verified with
-     Polygraphy's TensorRT runner, the decoder through the runtime's TensorRT session), the native-GELU
-     engine of the same graph, prefill 8x512 of both (bench harness) and PyTorch eager fp16; else
-     "skipped: <reason>".
+  kernel compile      NVRTC (pinned) compiles the kernel for this GPU (sm_80 PTX without one)
+  driver              the driver's CUDA version (cuDriverGetVersion) loads that PTX ISA (register.py's check)
+  PTX load            CuPy loads the PTX through the driver, which JIT-compiles it
+  <dtype> <variant>   correctness for float32 / float16 / bfloat16, plain and bias variants, odd lengths,
+                      misaligned offsets, NaN-poisoned outputs: against the float64 reference with the GPU
+                      error bound and against torch's gelu(approximate="tanh")
+  speed fp16          64M fp16 elements: ours vs torch's GELU vs a device-to-device copy (goal >= 90 % of copy)
+  PyTorch eager       prefill of the model in fp16 with CUDA events (the baseline of the TensorRT goal)
+  plugin engine       `andrea-export build` fp16 with TensorRT and the plugin, verified (Polygraphy's TensorRT
+                      runner; the KV-cache decoder through the runtime's TensorRT session)
+  native engine       the native-GELU engine of the same graph
+  plugin vs native    prefill of both engines, interleaved (bench harness, CUDA events); goal: within 10 %
+  TensorRT vs PyTorch goal: TensorRT >= 3x faster than PyTorch eager
 
-Prints a short table last; exit 0 when every check passed, 1 when one failed, 2 when it cannot run here.
+Every section is isolated: an exception gives a FAIL row with the error (traceback on stderr) and the next
+section runs; a section that cannot run here (no GPU, no TensorRT, or a section it needs did not finish)
+gives a SKIP row with the reason. Each row is printed when it finishes and appended to a JSON-lines file
+(--jsonl), so a run cut short keeps what it measured. On a machine without a GPU every section runs as far
+as the CPU allows (the kernel compiles; the rest says why it stops) and the script exits 0.
 
-    python benchmarks/gpu_checks.py [--n 67108864]
+Time budget (--budget, default 540 s: a 10-minute window on one GPU, less a minute for start-up and copying
+results): a section starts only when its estimated cost fits in what is left, else it is skipped with the
+reason, and an alarm stops a section that overruns the budget. The order is by value per second: the kernel
+sections (about a minute together) first, then PyTorch, then the engines, which are what a short window
+drops. Estimates are for ANDREA-120M on one H100/H200-class GPU; --tiny uses the tiny model (seconds).
+
+Exit status: 0 when no row is FAIL (SKIP and SLOW rows do not fail the run), 1 otherwise.
+
+    python benchmarks/gpu_checks.py [--budget 540] [--tiny] [--n 67108864] [--jsonl bench-out/gpu_checks.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import signal
 import sys
+import tempfile
+import time
+import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gelu_kernel import NoGpu, bench, check, load, require_gpu  # noqa: E402
-
 COPY_GOAL_PCT = 90.0
+DEFAULT_BUDGET_S = 540
+STATUSES = ("ok", "SLOW", "SKIP", "FAIL")
 
 
-def tensorrt_engines(workdir: Path) -> list[tuple[str, str, str]]:
-    """With TensorRT on this host: ANDREA-120M fp16 through `andrea-export build` (the plugin engine,
-    verified with Polygraphy's TensorRT runner, and the KV-cache decoder engine through the runtime),
-    the native-GELU engine of the same graph, then prefill 8 x 512 timed side by side (bench harness,
-    CUDA events) and against PyTorch eager fp16 on the same GPU. Goals: the plugin engine within 10 %
-    of the native one; TensorRT >= 3x faster than PyTorch eager."""
-    from andrea_export.build import Profiles, build_engine, installed
+class Skip(Exception):
+    """A section that cannot run here; the message says why."""
 
+
+class BudgetExceeded(BaseException):
+    """Raised by the alarm when the time budget runs out in the middle of a section."""
+
+
+class Checks:
+    """Runs sections in order under a time budget; records, prints and writes (JSON lines) every row."""
+
+    def __init__(self, budget_s: float, jsonl: Path | None, out: Any = sys.stdout):
+        self.budget_s = budget_s
+        self.t0 = time.monotonic()
+        self.rows: list[dict[str, Any]] = []
+        self.results: dict[str, Any] = {}  # section -> what it returned (only sections that finished)
+        self.status: dict[str, str] = {}  # section -> worst status of its rows
+        self.jsonl = jsonl
+        self.out = out
+        self._started = self.t0  # of the running section: a row's seconds count from it
+        if jsonl is not None:
+            jsonl.parent.mkdir(parents=True, exist_ok=True)
+            jsonl.write_text("")
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def row(self, section: str, check: str, status: str, detail: str) -> None:
+        assert status in STATUSES, status
+        r = {"section": section, "check": check, "status": status, "detail": detail,
+             "seconds": round(time.monotonic() - self._started, 2)}  # fmt: skip
+        self.rows.append(r)
+        order = STATUSES.index
+        self.status[section] = max(self.status.get(section, "ok"), status, key=order)
+        print(f"{check:<28}  {status:<4}  {detail}", file=self.out, flush=True)
+        if self.jsonl is not None:
+            with open(self.jsonl, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+    def section(self, name: str, fn: Callable[["Checks"], Any], estimate_s: float, needs: tuple[str, ...] = ()) -> None:
+        """Run fn(self), which adds its own rows and returns a result for later sections (None: no rows of
+        its own beyond a plain ok). Exceptions become a FAIL row, Skip a SKIP row; the run goes on."""
+        missing = [n for n in needs if n not in self.results]
+        if missing:
+            why = ", ".join(f"{n} ({self.status.get(n, 'not run')})" for n in missing)
+            self.row(name, name, "SKIP", f"needs {why}")
+            return
+        left = self.left()
+        if estimate_s > left:
+            self.row(name, name, "SKIP", f"time budget: {max(left, 0):.0f} s of {self.budget_s:.0f} s left, this needs "
+                                         f"about {estimate_s:.0f} s (raise --budget to run it)")  # fmt: skip
+            return
+        start = self._started = time.monotonic()
+        n_rows = len(self.rows)
+        old = signal.signal(signal.SIGALRM, _alarm)
+        signal.setitimer(signal.ITIMER_REAL, max(left, 0.01))
+        try:
+            self.results[name] = fn(self)
+            if len(self.rows) == n_rows:  # a section without rows of its own
+                self.row(name, name, "ok", "")
+        except Skip as e:
+            self.row(name, name, "SKIP", str(e))
+        except (BudgetExceeded, KeyboardInterrupt) as e:  # TensorRT's progress monitor turns the alarm into a cancel
+            if isinstance(e, KeyboardInterrupt) and self.left() > 0:
+                raise
+            self.row(name, name, "FAIL", f"stopped at the time budget of {self.budget_s:.0f} s after "
+                                         f"{time.monotonic() - start:.0f} s")  # fmt: skip
+        except Exception as e:  # noqa: BLE001: any failure of a section is a row, and the next section runs
+            traceback.print_exc(file=sys.stderr)
+            self.row(name, name, "FAIL", f"{type(e).__name__}: {e}".splitlines()[0])
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, old)
+
+    def table(self) -> str:
+        width = max((len(r["check"]) for r in self.rows), default=0)
+        return "\n".join(f"{r['check']:<{width}}  {r['status']:<4}  {r['detail']}" for r in self.rows)
+
+    @property
+    def failed(self) -> bool:
+        return any(r["status"] == "FAIL" for r in self.rows)
+
+
+def _alarm(signum: int, frame: Any) -> None:
+    raise BudgetExceeded
+
+
+# ---- sections ------------------------------------------------------------------------------------------
+
+
+def kernel_compile(c: Checks) -> Any:
+    from andrea_export.plugin.compile import best_arch, compile_ptx, detect_compute_capability
+
+    cc = detect_compute_capability()
+    k = compile_ptx(best_arch(cc))
+    where = f"GPU sm_{cc[0]}{cc[1]}" if cc else "no GPU: the portable sm_80"
+    c.row("kernel compile", "kernel compile", "ok", f"{k.arch} ({where}), PTX ISA {k.ptx_isa}, NVRTC {k.nvrtc_version}, "
+          f"needs {k.driver_floor}; {len(k.entry_points)} entry points")  # fmt: skip
+    return k
+
+
+def driver(c: Checks) -> Any:
+    from andrea_export.plugin.compile import check_driver, cuda_driver_version
+
+    v = cuda_driver_version()
+    if v is None:
+        raise Skip("no NVIDIA driver here (libcuda.so.1 not found)")
+    k = c.results["kernel compile"]
+    check_driver(k, v)  # PluginError (a FAIL row) with what to do when the driver is too old
+    c.row("driver", "driver", "ok", f"CUDA {v // 1000}.{v % 1000 // 10} driver loads PTX ISA {k.ptx_isa}")
+    return v
+
+
+def _gpu() -> tuple[Any, Any]:
+    from gelu_kernel import NoGpu, require_gpu
+
+    try:
+        return require_gpu()
+    except NoGpu as e:
+        raise Skip(str(e)) from None
+
+
+def ptx_load(c: Checks) -> Any:
+    from gelu_kernel import load
+
+    torch, cupy = _gpu()
+    kern = load(torch, cupy)
+    c.row("PTX load", "PTX load", "ok", f"{kern.arch}, PTX ISA {kern.ptx_isa}; {torch.cuda.get_device_name()}")
+    return kern
+
+
+def correctness(c: Checks) -> Any:
+    from gelu_kernel import check
+
+    torch, cupy = _gpu()
+    for r in check(torch, cupy, c.results["PTX load"]):
+        c.row("kernel correctness", f"{r['dtype']} {r['variant']}", "ok" if r["failures"] == 0 else "FAIL",
+              f"{r['cases']} cases, max err/bound {r['max_err_over_bound']:.3f}, "
+              f"max |ours - torch| {r['max_abs_diff_vs_torch']:.3g}")  # fmt: skip
+    return True
+
+
+def speed(n: int) -> Callable[[Checks], Any]:
+    def run(c: Checks) -> Any:
+        from gelu_kernel import bench
+
+        torch, cupy = _gpu()
+        b = bench(torch, cupy, c.results["PTX load"], n=n)
+        c.row("kernel speed", "speed fp16", "ok" if b["pct_of_copy"] >= COPY_GOAL_PCT else "SLOW",
+              f"{b['n']} elems: ours {b['ours_us']:.1f} us ({b['ours_GBps']:.0f} GB/s), torch gelu "
+              f"{b['torch_gelu_us']:.1f} us, D2D copy {b['copy_us']:.1f} us; {b['pct_of_copy']:.0f}% of copy "
+              f"(goal >= {COPY_GOAL_PCT:.0f}%)")  # fmt: skip
+        return b
+
+    return run
+
+
+class Plan:
+    """What the model-level sections use: the model size and the prefill shape timed."""
+
+    def __init__(self, tiny: bool):
+        from andrea_export.config import ANDREA_120M, ANDREA_TINY
+
+        self.cfg = ANDREA_TINY if tiny else ANDREA_120M
+        self.batch, self.seq = (2, 64) if tiny else (8, 512)
+        top = self.cfg.n_positions
+        self.profile = f"batch=1:{self.batch}:{self.batch},seq=1:{self.seq}:{top}"
+        self.name = f"{self.cfg.name} fp16, prefill {self.batch}x{self.seq}"
+
+
+def torch_eager(plan: Plan) -> Callable[[Checks], Any]:
+    def run(c: Checks) -> Any:
+        from andrea_export.checkpoint import random_init
+
+        model = random_init(plan.cfg, announce=False)  # what a CPU can do; the GPU part starts here
+        torch, _ = _gpu()
+        model = model.half().cuda().eval()
+        ids = torch.randint(0, plan.cfg.vocab_size, (plan.batch, plan.seq), device="cuda")
+        times = []
+        with torch.inference_mode():
+            for i in range(25):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                model(ids)
+                end.record()
+                torch.cuda.synchronize()
+                if i >= 5:  # warm-up
+                    times.append(start.elapsed_time(end))
+        ms = sorted(times)[len(times) // 2]
+        c.row("PyTorch eager", "PyTorch eager", "ok", f"{plan.name}: median {ms:.2f} ms (CUDA events, 20 runs)")
+        return ms
+
+    return run
+
+
+def _tensorrt_here() -> None:
+    from andrea_export.build import gpu_compute_capability, installed
+
+    why = []
     if not installed("tensorrt"):
-        return [("TensorRT engines", "skipped", "skipped: TensorRT is not installed (pip install 'andrea-export[tensorrt]')")]
-    import torch
+        why.append("TensorRT is not installed (pip install 'andrea-export[tensorrt]')")
+    if gpu_compute_capability() is None:
+        why.append("no NVIDIA GPU here (TensorRT builds engines on the GPU it targets)")
+    if why:
+        raise Skip("; ".join(why))
 
-    from andrea_export import bench
-    from andrea_export.checkpoint import random_init
-    from andrea_export.config import ANDREA_120M
-    from andrea_export.pipeline import BuildOptions, run_build
 
-    rows = []
-    profile = "batch=1:8:8,seq=1:512:1024"
-    out = workdir / "plugin-fp16"
-    m = run_build(BuildOptions(builder="tensorrt", precision="fp16", profiles=profile, out=str(out), greedy_steps=16),
-                  force=True)
-    b = m["builder"]
-    rows.append(("build+verify plugin fp16", "ok" if m["status"] == "passed" else "FAIL",
-                 f"status {m['status']}; TensorRT {b['version']}, {b['plugin_layers']} plugin layers, built in "
-                 f"{b['build_seconds']:.0f} s; engine {m['artifacts']['engine']['bytes'] / 1e6:.0f} MB"))
-    native = build_engine(out / m["artifacts"]["onnx"]["path"], workdir / "native-fp16.plan", builder="tensorrt",
-                          profiles=Profiles.parse(profile), progress=False)
-    rows.append(("build native fp16", "ok", f"{native.plugin_layers} plugin layers (native GELU), built in "
-                 f"{native.build_seconds:.0f} s"))
-    engines = {"trt-native": {"prefill": native.plan}, "trt-plugin": {"prefill": out / "model.plan"}}
-    doc = bench.run_benchmark(ANDREA_120M, backends=["trt-native", "trt-plugin"], scenarios=["prefill"],
-                              prefill_grid=[(8, 512)], trt_engines=engines, out=workdir / "bench", quiet=True)
-    med = {r["backend"]: r["median_ms"] for r in doc["rows"]}
-    ratio = next((r["speedup"] for r in doc["ratios"] if r["backend"] == "trt-plugin"), None)
-    ok = ratio is not None and ratio >= 1 / 1.10
-    rows.append(("prefill 8x512 plugin/native", "ok" if ok else "SLOW",
-                 f"native {med.get('trt-native', float('nan')):.2f} ms, plugin {med.get('trt-plugin', float('nan')):.2f} ms; "
-                 f"plugin speedup over native {ratio if ratio is not None else float('nan'):.3f} (goal >= 0.91)"))
+def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
+    def run(c: Checks) -> Any:
+        from andrea_export.build import Profiles, parse_profiles
+        from andrea_export.pipeline import BuildOptions, run_build
 
-    # PyTorch eager fp16 on the same GPU, CUDA events: the baseline the 3x goal is set against
-    model = random_init(ANDREA_120M, announce=False).half().cuda().eval()
-    ids = torch.randint(0, ANDREA_120M.vocab_size, (8, 512), device="cuda")
-    times = []
-    with torch.inference_mode():
-        for i in range(25):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            model(ids)
-            end.record()
-            torch.cuda.synchronize()
-            if i >= 5:  # warm-up
-                times.append(start.elapsed_time(end))
-    torch_ms = sorted(times)[len(times) // 2]
-    best = min(med.values()) if med else float("nan")
-    rows.append(("prefill 8x512 vs torch", "ok" if torch_ms / best >= 3 else "SLOW",
-                 f"PyTorch eager fp16 {torch_ms:.2f} ms; TensorRT {torch_ms / best:.1f}x faster (goal >= 3x)"))
-    return rows
+        for p in parse_profiles(plan.profile, Profiles.for_model(plan.cfg)):  # a bad profile fails here, not on the GPU
+            p.check(plan.cfg.n_positions)
+        opts = BuildOptions(config=plan.cfg.name, builder="tensorrt", precision="fp16", profiles=plan.profile,
+                            out=str(workdir / "plugin-fp16"), greedy_steps=16)  # fmt: skip
+        _tensorrt_here()
+        m = run_build(opts, force=True)
+        b = m["builder"]
+        c.row("plugin engine", "build+verify plugin fp16", "ok" if m["status"] == "passed" else "FAIL",
+              f"status {m['status']}; TensorRT {b['version']}, {b['plugin_layers']} plugin layers, built in "
+              f"{b['build_seconds']:.0f} s; engine {m['artifacts']['engine']['bytes'] / 1e6:.0f} MB; kernel "
+              f"{m['plugin']['kernel']['arch'] if isinstance(m['plugin']['kernel'], dict) else m['plugin']['kernel']}")  # fmt: skip
+        return Path(opts.out or ""), m
+
+    return run
+
+
+def native_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
+    def run(c: Checks) -> Any:
+        from andrea_export.build import Profiles, build_engine
+
+        out, m = c.results["plugin engine"]
+        native = build_engine(out / m["artifacts"]["onnx"]["path"], workdir / "native-fp16.plan", builder="tensorrt",
+                              profiles=Profiles.parse(plan.profile), progress=False)  # fmt: skip
+        c.row("native engine", "build native fp16", "ok", f"{native.plugin_layers} plugin layers (native GELU), built "
+              f"in {native.build_seconds:.0f} s")  # fmt: skip
+        return native.plan
+
+    return run
+
+
+def plugin_vs_native(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
+    def run(c: Checks) -> Any:
+        from andrea_export import bench
+
+        out, _ = c.results["plugin engine"]
+        engines = {"trt-native": {"prefill": c.results["native engine"]}, "trt-plugin": {"prefill": out / "model.plan"}}
+        doc = bench.run_benchmark(plan.cfg, backends=["trt-native", "trt-plugin"], scenarios=["prefill"],
+                                  prefill_grid=[(plan.batch, plan.seq)], trt_engines=engines, out=workdir / "bench",
+                                  quiet=True)  # fmt: skip
+        med = {r["backend"]: r["median_ms"] for r in doc["rows"]}
+        ratio = next((r["speedup"] for r in doc["ratios"] if r["backend"] == "trt-plugin"), None)
+        ok = ratio is not None and ratio >= 1 / 1.10
+        c.row("plugin vs native", f"prefill {plan.batch}x{plan.seq} plugin/native", "ok" if ok else "SLOW",
+              f"native {med.get('trt-native', float('nan')):.2f} ms, plugin {med.get('trt-plugin', float('nan')):.2f} ms; "
+              f"plugin speedup over native {ratio if ratio is not None else float('nan'):.3f} (goal >= 0.91)")  # fmt: skip
+        return med
+
+    return run
+
+
+def trt_vs_torch(plan: Plan) -> Callable[[Checks], Any]:
+    def run(c: Checks) -> Any:
+        torch_ms, med = c.results["PyTorch eager"], c.results["plugin vs native"]
+        if not med:
+            raise Skip("the benchmark timed no engine")
+        best = min(med.values())
+        c.row("TensorRT vs PyTorch", f"prefill {plan.batch}x{plan.seq} vs torch", "ok" if torch_ms / best >= 3 else "SLOW",
+              f"PyTorch eager fp16 {torch_ms:.2f} ms; TensorRT {best:.2f} ms, {torch_ms / best:.1f}x faster (goal >= 3x)")
+        return torch_ms / best
+
+    return run
+
+
+def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
+    plan = Plan(tiny)
+    big = 0.1 if tiny else 1.0  # the engine sections scale with the model
+    c.section("kernel compile", kernel_compile, 10)
+    c.section("driver", driver, 1, needs=("kernel compile",))
+    c.section("PTX load", ptx_load, 15)
+    c.section("kernel correctness", correctness, 45, needs=("PTX load",))
+    c.section("kernel speed", speed(n), 20, needs=("PTX load",))
+    c.section("PyTorch eager", torch_eager(plan), 30 * big)
+    c.section("plugin engine", plugin_engine(plan, workdir), 240 * big)  # two TensorRT builds + verification
+    c.section("native engine", native_engine(plan, workdir), 90 * big, needs=("plugin engine",))
+    c.section("plugin vs native", plugin_vs_native(plan, workdir), 45 * big, needs=("plugin engine", "native engine"))
+    c.section("TensorRT vs PyTorch", trt_vs_torch(plan), 1, needs=("PyTorch eager", "plugin vs native"))
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=float, default=DEFAULT_BUDGET_S,
+                    help=f"seconds for the whole run (default {DEFAULT_BUDGET_S}: a 10-minute GPU window)")
+    ap.add_argument("--tiny", action="store_true", help="the tiny model for the engine sections (a quick run)")
     ap.add_argument("--n", type=int, default=64 << 20, help="elements for the timing run (fp16)")
     ap.add_argument("--workdir", default=None, help="keep the TensorRT builds here (default: a temporary folder)")
+    ap.add_argument("--jsonl", default="bench-out/gpu_checks.jsonl", help="one JSON row per line, written as it finishes")
     args = ap.parse_args(argv)
-    try:
-        torch, cupy = require_gpu()
-    except NoGpu as e:
-        print(f"gpu_checks: {e}", file=sys.stderr)
-        return 2
-
-    table: list[tuple[str, str, str]] = []
-    name = torch.cuda.get_device_name()
-    kern = load(torch, cupy)
-    table.append(("PTX load", "ok", f"{kern.arch}, PTX ISA {kern.ptx_isa}, needs {kern.driver_floor}; {name}"))
-
-    ok = True
-    for r in check(torch, cupy, kern):
-        passed = r["failures"] == 0
-        ok &= passed
-        table.append((f"{r['dtype']} {r['variant']}", "ok" if passed else "FAIL",
-                      f"{r['cases']} cases, max err/bound {r['max_err_over_bound']:.3f}, "
-                      f"max |ours - torch| {r['max_abs_diff_vs_torch']:.3g}"))  # fmt: skip
-
-    b: dict[str, Any] = bench(torch, cupy, kern, n=args.n)
-    fast = b["pct_of_copy"] >= COPY_GOAL_PCT
-    table.append(("speed fp16", "ok" if fast else "SLOW",
-                  f"{b['n']} elems: ours {b['ours_us']:.1f} us ({b['ours_GBps']:.0f} GB/s), torch gelu "
-                  f"{b['torch_gelu_us']:.1f} us, D2D copy {b['copy_us']:.1f} us; {b['pct_of_copy']:.0f}% of copy "
-                  f"(goal >= {COPY_GOAL_PCT:.0f}%)"))  # fmt: skip
-
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="andrea-gpu-checks-") as workdir:
-        for row in tensorrt_engines(Path(args.workdir) if args.workdir else Path(workdir)):
-            ok &= row[1] != "FAIL"
-            table.append(row)
-
-    width = max(len(r[0]) for r in table)
+    c = Checks(args.budget, Path(args.jsonl) if args.jsonl else None)
+    print(f"gpu_checks: budget {args.budget:.0f} s, rows also in {args.jsonl}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="andrea-gpu-checks-") as tmp:
+        run_all(c, args.n, args.tiny, Path(args.workdir) if args.workdir else Path(tmp))
     print()
-    for check_name, status, detail in table:
-        print(f"{check_name:<{width}}  {status:<7}  {detail}")
-    return 0 if ok else 1
+    print(c.table())
+    return 1 if c.failed else 0
 
 
 if __name__ == "__main__":
