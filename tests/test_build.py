@@ -389,15 +389,15 @@ def test_rtx_network_is_created_strongly_typed(monkeypatch, tiny_onnx, tmp_path)
     import tensorrt_rtx as trt
 
     flags: list[int] = []
+    create_network = trt.Builder.create_network
 
-    class Builder(trt.Builder):  # the real builder, watched
-        def create_network(self, f=0):
-            flags.append(f)
-            network = super().create_network(f)
-            assert network.get_flag(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-            return network
+    def watched(self, f=0):  # the real builder's method, watched
+        flags.append(f)
+        network = create_network(self, f)
+        assert network.get_flag(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+        return network
 
-    monkeypatch.setattr(trt, "Builder", Builder)
+    monkeypatch.setattr(trt.Builder, "create_network", watched)
     build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", profiles=Profiles.parse("batch=1,seq=1:8:32"),
                  opt_level=0, progress=False)
     assert flags == [1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)]
