@@ -23,8 +23,10 @@ as the CPU allows (the kernel compiles; the rest says why it stops) and the scri
 Time budget (--budget, default 540 s: a 10-minute window on one GPU, less a minute for start-up and copying
 results): a section starts only when its estimated cost fits in what is left, else it is skipped with the
 reason, and an alarm stops a section that overruns the budget. The order is by value per second: the kernel
-sections (about a minute together) first, then PyTorch, then the engines, which are what a short window
-drops. Estimates are for ANDREA-120M on one H100/H200-class GPU; --tiny uses the tiny model (seconds).
+sections (about a minute and a half together) first, then PyTorch, then the engines (about 6 minutes),
+which are what a short window drops: the native engine and the engine timings go first, then the plugin
+build. By the estimates the default budget runs every section (about 500 s in all). The estimates are
+guesses for ANDREA-120M on one H100/H200-class GPU, not yet measured there; --tiny uses the tiny model.
 
 Exit status: 0 when no row is FAIL (SKIP and SLOW rows do not fail the run), 1 otherwise.
 
