@@ -287,6 +287,9 @@ def emulate_in_fp32(model: onnx.ModelProto) -> onnx.ModelProto:
     del g.node[:]
     g.node.extend(nodes)
     del g.value_info[:]
+    for i in g.input:  # a half-precision input (a KV cache) is fed widened to float32: exact, the values being half
+        if i.type.tensor_type.elem_type in half:
+            i.type.tensor_type.elem_type = TensorProto.FLOAT
     for o in g.output:
         if o.type.tensor_type.elem_type in half:
             o.type.tensor_type.elem_type = TensorProto.FLOAT

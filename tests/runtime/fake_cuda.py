@@ -1,0 +1,507 @@
+"""Strict CPU stand-ins for cuda-python's runtime bindings (`cuda.bindings.runtime`) and TensorRT's Python
+runtime API, for testing `andrea_export.runtime.trt.TrtSession` where there is no GPU.
+
+"Device memory" is host memory, but it is handed out and checked the way the CUDA runtime does:
+
+- every allocation has a size; every copy, memset and TensorRT tensor access is bounds-checked against the
+  allocation it starts in, and may not run past its end (the real driver rejects a copy over unmapped memory
+  and a kernel faults; the stand-in is stricter and rejects any overrun, even into a neighbour);
+- `cudaMemcpy2DAsync` returns cudaErrorInvalidPitchValue when width exceeds dpitch or spitch, like the
+  real call (its documented contract: "width must not exceed either dpitch or spitch");
+- copy directions are checked (a HostToDevice copy needs a device destination and a host source, ...);
+- work on a stream that is being captured is recorded, not run; a captured graph replays exactly the
+  recorded operations, with the arguments they had when recorded (TensorRT's enqueue included: its tensor
+  shapes and addresses are baked in at capture time); cudaStreamSynchronize or cudaMalloc during a
+  thread-local capture fail with cudaErrorStreamCaptureUnsupported and invalidate the capture;
+- graphs, graph executables, streams and allocations are counted, so a test can say nothing leaked;
+- a kernel (TensorRT enqueue) that touches memory outside an allocation leaves the sticky
+  cudaErrorIllegalAddress that the next synchronize reports, as a device fault does.
+
+The TensorRT stand-in reads the ONNX graph an engine "was built from" (the fake plan is a small JSON file
+naming it and the optimization profiles) and reports what a strongly typed engine built from that graph
+reports: each I/O tensor's DataType from the graph (float32 / float16 / bfloat16 cache, int64 ids and mask,
+float32 logits), its shape with -1 for dynamic axes, and the profiles' min/opt/max. Execution runs the real
+graph through ONNX Runtime on the bytes at the bound addresses, viewed with the engine's dtypes. ONNX Runtime's
+CPU provider has no bf16 kernels, so a bf16 graph runs as `precision.emulate_in_fp32` of itself: every op
+rounded to bf16, bf16 tensors widened exactly to float32 on the way in and narrowed (exactly: the values are
+already bf16-rounded) on the way out. The signatures follow cuda-python 12.x/13.x (every call returns a tuple
+whose first element is a cudaError_t) and TensorRT 10/11 (`execute_async_v3`, `set_tensor_address`, ...).
+"""
+
+from __future__ import annotations
+
+import bisect
+import ctypes
+import enum
+import json
+import types
+from pathlib import Path
+
+import numpy as np
+
+
+class cudaError_t(enum.IntEnum):  # the values of CUDA's driver_types.h
+    cudaSuccess = 0
+    cudaErrorInvalidValue = 1
+    cudaErrorMemoryAllocation = 2
+    cudaErrorInvalidPitchValue = 12
+    cudaErrorInvalidDevicePointer = 17
+    cudaErrorInvalidMemcpyDirection = 21
+    cudaErrorInvalidResourceHandle = 400
+    cudaErrorIllegalState = 401
+    cudaErrorIllegalAddress = 700
+    cudaErrorStreamCaptureUnsupported = 900
+    cudaErrorStreamCaptureInvalidated = 901
+
+
+class cudaMemcpyKind(enum.IntEnum):
+    cudaMemcpyHostToHost = 0
+    cudaMemcpyHostToDevice = 1
+    cudaMemcpyDeviceToHost = 2
+    cudaMemcpyDeviceToDevice = 3
+    cudaMemcpyDefault = 4
+
+
+class cudaStreamCaptureMode(enum.IntEnum):
+    cudaStreamCaptureModeGlobal = 0
+    cudaStreamCaptureModeThreadLocal = 1
+    cudaStreamCaptureModeRelaxed = 2
+
+
+class Handle:
+    """An opaque CUDA handle (cudaStream_t, cudaGraph_t, cudaGraphExec_t): `int()` gives its address."""
+
+    def __init__(self, kind: str, value: int):
+        self.kind, self.value = kind, value
+
+    def __int__(self):
+        return self.value
+
+    def __repr__(self):
+        return f"<{self.kind} {self.value:#x}>"
+
+
+class _Fault(Exception):
+    """A kernel touched memory outside every allocation."""
+
+
+OK = (cudaError_t.cudaSuccess,)
+ALIGN = 256  # cudaMalloc's alignment
+
+
+class FakeCudart:
+    """cuda.bindings.runtime, on host memory, enforcing the contracts listed in the module docstring."""
+
+    cudaError_t = cudaError_t
+    cudaMemcpyKind = cudaMemcpyKind
+    cudaStreamCaptureMode = cudaStreamCaptureMode
+    cudaStreamDefault = 0
+    cudaStreamNonBlocking = 1
+
+    def __init__(self):
+        self._blocks: dict[int, np.ndarray] = {}  # base address -> its bytes (a view of a larger, aligned buffer)
+        self._bases: list[int] = []  # sorted
+        self._streams: dict[int, list | None] = {}  # handle -> ops being captured (None: not capturing)
+        self._invalidated: set[int] = set()
+        self._graphs: dict[int, list] = {}
+        self._execs: dict[int, list] = {}
+        self._next_handle = 0x1000
+        self.sticky: cudaError_t | None = None
+        self.fault: str | None = None  # what the faulting kernel did, for the test's message
+        self.mallocs = 0
+        self.launches = 0
+        self.log: list[str] = []  # every stream operation as it runs: ("memcpy2d", ...)
+
+    # -- bookkeeping ---------------------------------------------------------------------------------
+    def _handle(self, kind: str) -> Handle:
+        self._next_handle += 0x10
+        return Handle(kind, self._next_handle)
+
+    def _block(self, ptr: int) -> tuple[int, np.ndarray] | None:
+        i = bisect.bisect_right(self._bases, ptr) - 1
+        if i < 0:
+            return None
+        base = self._bases[i]
+        block = self._blocks[base]
+        return (base, block) if ptr < base + block.size else None
+
+    def is_device(self, ptr: int) -> bool:
+        return self._block(int(ptr)) is not None
+
+    def device_bytes(self, ptr: int, nbytes: int) -> np.ndarray:
+        """The `nbytes` bytes at device address `ptr` as a uint8 view; _Fault unless all inside one allocation."""
+        ptr = int(ptr)
+        found = self._block(ptr)
+        if found is None:
+            raise _Fault(f"address {ptr:#x} is in no allocation")
+        base, block = found
+        if ptr - base + nbytes > block.size:
+            raise _Fault(f"{nbytes} bytes at {ptr:#x} run {ptr - base + nbytes - block.size} bytes past the end of "
+                         f"the {block.size}-byte allocation at {base:#x}")
+        return block[ptr - base: ptr - base + nbytes]
+
+    def _extent_ok(self, ptr: int, nbytes: int) -> bool:
+        try:
+            self.device_bytes(ptr, nbytes)
+        except _Fault:
+            return False
+        return True
+
+    def live(self) -> dict[str, int]:
+        """What is still allocated: a test's leak check."""
+        return {"allocations": len(self._blocks), "streams": len(self._streams), "graphs": len(self._graphs),
+                "graph_execs": len(self._execs)}
+
+    def _capturing(self) -> list[int]:
+        return [s for s, ops in self._streams.items() if ops is not None]
+
+    def _submit(self, stream, op, what: str):
+        """Run `op` now, or record it when `stream` is being captured."""
+        s = int(stream)
+        if s not in self._streams:
+            return (cudaError_t.cudaErrorInvalidResourceHandle,)
+        if self.sticky is not None:
+            return (self.sticky,)
+        if self._streams[s] is not None:
+            self._streams[s].append((what, op))
+            return OK
+        self._run(what, op)
+        return OK
+
+    def _run(self, what: str, op):
+        self.log.append(what)
+        try:
+            op()
+        except _Fault as e:  # asynchronous: reported by the next call that synchronizes
+            self.sticky, self.fault = cudaError_t.cudaErrorIllegalAddress, f"{what}: {e}"
+
+    # -- memory --------------------------------------------------------------------------------------
+    def cudaMalloc(self, size):
+        if self._capturing():  # a "potentially unsafe" call in thread-local capture mode
+            self._invalidated.update(self._capturing())
+            return cudaError_t.cudaErrorStreamCaptureUnsupported, 0
+        size = int(size)
+        if size <= 0:
+            return cudaError_t.cudaSuccess, 0  # the real call: success and a NULL pointer
+        raw = np.empty(size + ALIGN, dtype=np.uint8)
+        start = -raw.ctypes.data % ALIGN
+        block = raw[start: start + size]
+        block[:] = 0xFF  # NaN as float32/float16/bfloat16: reading memory nothing wrote shows up in the logits
+        base = block.ctypes.data
+        self._blocks[base] = block
+        bisect.insort(self._bases, base)
+        self.mallocs += 1
+        return cudaError_t.cudaSuccess, base
+
+    def cudaFree(self, devPtr):
+        ptr = int(devPtr)
+        if ptr == 0:
+            return OK
+        if ptr not in self._blocks:
+            return (cudaError_t.cudaErrorInvalidValue,)
+        del self._blocks[ptr]
+        self._bases.remove(ptr)
+        return OK
+
+    def _check_kind(self, dst: int, src: int, kind) -> cudaError_t | None:
+        kind = cudaMemcpyKind(kind)
+        want = {cudaMemcpyKind.cudaMemcpyHostToDevice: (True, False),
+                cudaMemcpyKind.cudaMemcpyDeviceToHost: (False, True),
+                cudaMemcpyKind.cudaMemcpyDeviceToDevice: (True, True),
+                cudaMemcpyKind.cudaMemcpyHostToHost: (False, False)}.get(kind)
+        if want is None:
+            return None  # cudaMemcpyDefault: inferred from the pointers
+        if (self.is_device(dst), self.is_device(src)) != want:
+            return cudaError_t.cudaErrorInvalidMemcpyDirection
+        return None
+
+    def cudaMemcpyAsync(self, dst, src, count, kind, stream):
+        dst, src, count = int(dst), int(src), int(count)
+        err = self._check_kind(dst, src, kind)
+        if err is not None:
+            return (err,)
+        for ptr in (dst, src):
+            if self.is_device(ptr) and not self._extent_ok(ptr, count):
+                return (cudaError_t.cudaErrorInvalidValue,)
+        return self._submit(stream, lambda: ctypes.memmove(dst, src, count), f"memcpy {count}B")
+
+    def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
+        dst, dpitch, src, spitch, width, height = map(int, (dst, dpitch, src, spitch, width, height))
+        if width > dpitch or width > spitch:  # "width must not exceed either dpitch or spitch"
+            return (cudaError_t.cudaErrorInvalidPitchValue,)
+        err = self._check_kind(dst, src, kind)
+        if err is not None:
+            return (err,)
+        if width == 0 or height == 0:
+            return self._submit(stream, lambda: None, "memcpy2d (empty)")
+        for ptr, pitch in ((dst, dpitch), (src, spitch)):
+            if self.is_device(ptr) and not self._extent_ok(ptr, (height - 1) * pitch + width):
+                return (cudaError_t.cudaErrorInvalidValue,)
+
+        def op():
+            for r in range(height):
+                ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+
+        return self._submit(stream, op, f"memcpy2d {height}x{width}B")
+
+    def cudaMemsetAsync(self, devPtr, value, count, stream):
+        ptr, value, count = int(devPtr), int(value), int(count)
+        if not self._extent_ok(ptr, count):
+            return (cudaError_t.cudaErrorInvalidValue,)
+        return self._submit(stream, lambda: ctypes.memset(ptr, value, count), f"memset {count}B")
+
+    def launch_kernel(self, stream, op, what: str):
+        """How the TensorRT stand-in enqueues its work (a kernel launch on `stream`)."""
+        return self._submit(stream, op, what)
+
+    # -- streams and graphs --------------------------------------------------------------------------
+    def cudaStreamCreateWithFlags(self, flags):
+        h = self._handle("cudaStream_t")
+        self._streams[int(h)] = None
+        return cudaError_t.cudaSuccess, h
+
+    def cudaStreamDestroy(self, stream):
+        if self._streams.pop(int(stream), 0) == 0:
+            return (cudaError_t.cudaErrorInvalidResourceHandle,)
+        return OK
+
+    def cudaStreamSynchronize(self, stream):
+        s = int(stream)
+        if s not in self._streams:
+            return (cudaError_t.cudaErrorInvalidResourceHandle,)
+        if self._streams[s] is not None:  # illegal while capturing; it breaks the capture
+            self._invalidated.add(s)
+            return (cudaError_t.cudaErrorStreamCaptureUnsupported,)
+        return (self.sticky,) if self.sticky is not None else OK
+
+    def cudaStreamBeginCapture(self, stream, mode):
+        s = int(stream)
+        if s not in self._streams:
+            return (cudaError_t.cudaErrorInvalidResourceHandle,)
+        if self._streams[s] is not None:
+            return (cudaError_t.cudaErrorIllegalState,)
+        cudaStreamCaptureMode(mode)
+        self._streams[s] = []
+        return OK
+
+    def cudaStreamEndCapture(self, stream):
+        s = int(stream)
+        if self._streams.get(s) is None:
+            return cudaError_t.cudaErrorIllegalState, None
+        ops, self._streams[s] = self._streams[s], None
+        if s in self._invalidated:
+            self._invalidated.discard(s)
+            return cudaError_t.cudaErrorStreamCaptureInvalidated, None
+        g = self._handle("cudaGraph_t")
+        self._graphs[int(g)] = ops
+        return cudaError_t.cudaSuccess, g
+
+    def cudaGraphInstantiate(self, graph, flags):
+        if graph is None or int(graph) not in self._graphs:
+            return cudaError_t.cudaErrorInvalidValue, None
+        e = self._handle("cudaGraphExec_t")
+        self._execs[int(e)] = list(self._graphs[int(graph)])
+        return cudaError_t.cudaSuccess, e
+
+    def cudaGraphLaunch(self, graphExec, stream):
+        if graphExec is None or int(graphExec) not in self._execs:
+            return (cudaError_t.cudaErrorInvalidValue,)
+        ops = self._execs[int(graphExec)]
+
+        def replay():
+            for what, op in ops:
+                self._run(what, op)
+
+        self.launches += 1
+        return self._submit(stream, replay, "graph launch")
+
+    def cudaGraphDestroy(self, graph):
+        if graph is None or self._graphs.pop(int(graph), None) is None:
+            return (cudaError_t.cudaErrorInvalidValue,)
+        return OK
+
+    def cudaGraphExecDestroy(self, graphExec):
+        if graphExec is None or self._execs.pop(int(graphExec), None) is None:
+            return (cudaError_t.cudaErrorInvalidValue,)
+        return OK
+
+    def cudaGetLastError(self):
+        return (self.sticky,) if self.sticky is not None else OK
+
+    def graph_ops(self, graph_exec) -> list[str]:
+        """What an instantiated graph replays, in order (for tests)."""
+        return [what for what, _ in self._execs[int(graph_exec)]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# TensorRT
+# ---------------------------------------------------------------------------------------------------------
+
+class DataType(enum.IntEnum):  # names and values of tensorrt.DataType (10.x / 11.x and TensorRT-RTX)
+    FLOAT = 0
+    HALF = 1
+    INT8 = 2
+    INT32 = 3
+    BOOL = 4
+    UINT8 = 5
+    FP8 = 6
+    BF16 = 7
+    INT64 = 8
+    INT4 = 9
+    FP4 = 10
+    E8M0 = 11
+
+
+class TensorIOMode(enum.IntEnum):
+    NONE = 0
+    INPUT = 1
+    OUTPUT = 2
+
+
+def _bf16():
+    import ml_dtypes  # numpy has no bfloat16; onnx depends on ml_dtypes
+
+    return ml_dtypes.bfloat16
+
+
+def numpy_dtype(dt: DataType):
+    return {DataType.FLOAT: np.dtype(np.float32), DataType.HALF: np.dtype(np.float16), DataType.INT32: np.dtype(np.int32),
+            DataType.INT64: np.dtype(np.int64), DataType.BF16: np.dtype(_bf16())}[dt]
+
+
+def write_plan(path: str | Path, onnx_path: str | Path, profiles: list[dict], *, fail_capture: bool = False) -> Path:
+    """A fake engine file: the graph it was "built" from and its optimization profiles. `fail_capture`:
+    its enqueue fails while a stream is being captured (an engine that cannot be captured)."""
+    path = Path(path)
+    path.write_text(json.dumps({"fake_engine": str(onnx_path), "profiles": profiles, "fail_capture": fail_capture}))
+    return path
+
+
+def fake_tensorrt(cudart: FakeCudart) -> types.SimpleNamespace:
+    """A `tensorrt` module stand-in whose engines run on `cudart`'s memory and streams."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto
+
+    from andrea_export.precision import emulate_in_fp32
+
+    onnx_to_trt = {TensorProto.FLOAT: DataType.FLOAT, TensorProto.FLOAT16: DataType.HALF,
+                   TensorProto.BFLOAT16: DataType.BF16, TensorProto.INT64: DataType.INT64, TensorProto.INT32: DataType.INT32}
+
+    class Engine:
+        def __init__(self, spec: dict):
+            model = onnx.load(spec["fake_engine"])
+            self.profiles = spec["profiles"]
+            self.fail_capture = spec.get("fail_capture", False)
+            self.inputs = [v.name for v in model.graph.input]
+            self.outputs = [v.name for v in model.graph.output]
+            self._dtype, self._shape = {}, {}
+            for v in list(model.graph.input) + list(model.graph.output):
+                tt = v.type.tensor_type
+                self._dtype[v.name] = onnx_to_trt[tt.elem_type]
+                self._shape[v.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
+            self.bf16 = DataType.BF16 in self._dtype.values()
+            runnable = emulate_in_fp32(model) if self.bf16 else model  # ORT's CPU provider has no bf16 kernels
+            self.ort = ort.InferenceSession(runnable.SerializeToString(), providers=["CPUExecutionProvider"])
+            self.num_io_tensors = len(self.inputs) + len(self.outputs)
+            self.num_optimization_profiles = len(self.profiles)
+
+        def get_tensor_name(self, index):
+            return (self.inputs + self.outputs)[index]
+
+        def get_tensor_dtype(self, name):
+            return self._dtype[name]
+
+        def get_tensor_mode(self, name):
+            return TensorIOMode.INPUT if name in self.inputs else TensorIOMode.OUTPUT if name in self.outputs else TensorIOMode.NONE
+
+        def get_tensor_shape(self, name):
+            return self._shape[name]
+
+        def get_tensor_profile_shape(self, name, profile_index):
+            s = self.profiles[profile_index]["shapes"][name]
+            return [tuple(s["min"]), tuple(s["opt"]), tuple(s["max"])]
+
+        def create_execution_context(self):
+            return Context(self)
+
+    class Context:
+        def __init__(self, engine: Engine):
+            self.engine, self.profile, self.shapes, self.addresses = engine, 0, {}, {}
+
+        def set_optimization_profile_async(self, profile_index, stream_handle):
+            if not 0 <= profile_index < self.engine.num_optimization_profiles or int(stream_handle) not in cudart._streams:
+                return False
+            self.profile, self.shapes = profile_index, {}
+            return True
+
+        def set_input_shape(self, name, shape):
+            e = self.engine
+            if name not in e.inputs:
+                return False
+            lo, _, hi = e.get_tensor_profile_shape(name, self.profile)
+            shape = tuple(int(x) for x in shape)
+            if len(shape) != len(lo) or not all(a <= x <= b for a, x, b in zip(lo, shape, hi)):
+                return False
+            self.shapes[name] = shape
+            return True
+
+        def set_tensor_address(self, name, memory):
+            e = self.engine
+            if e.get_tensor_mode(name) == TensorIOMode.NONE:
+                return False
+            if int(memory) % numpy_dtype(e.get_tensor_dtype(name)).itemsize:  # must be element-aligned
+                return False
+            self.addresses[name] = int(memory)
+            return True
+
+        def execute_async_v3(self, stream_handle):
+            e = self.engine
+            if int(stream_handle) not in cudart._streams:
+                return False
+            if set(self.shapes) != set(e.inputs) or set(self.addresses) != set(e.inputs + e.outputs):
+                return False  # TensorRT: "not all shapes are specified" / "address is not set"
+            if e.fail_capture and cudart._streams[int(stream_handle)] is not None:
+                return False
+            shapes, addresses = dict(self.shapes), dict(self.addresses)  # baked into the enqueued work
+
+            def tensor(name: str, nbytes: int) -> np.ndarray:
+                try:
+                    return cudart.device_bytes(addresses[name], nbytes)
+                except _Fault as err:
+                    raise _Fault(f"tensor '{name}': {err}") from None
+
+            def kernel():
+                feed = {}
+                for name in e.inputs:
+                    dt = numpy_dtype(e.get_tensor_dtype(name))
+                    a = tensor(name, int(np.prod(shapes[name])) * dt.itemsize).view(dt).reshape(shapes[name])
+                    feed[name] = a.astype(np.float32) if dt == np.dtype(_bf16()) else a.copy()
+                for name, out in zip(e.outputs, e.ort.run(e.outputs, feed)):
+                    out = np.ascontiguousarray(out.astype(numpy_dtype(e.get_tensor_dtype(name))))
+                    tensor(name, out.nbytes)[...] = out.reshape(-1).view(np.uint8)
+
+            return cudart.launch_kernel(stream_handle, kernel, f"enqueue profile {self.profile}")[0] == cudaError_t.cudaSuccess
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, serialized_engine):
+            try:
+                spec = json.loads(bytes(serialized_engine))
+            except ValueError:
+                return None  # the real call logs and returns None
+            return Engine(spec)
+
+    class Logger:
+        INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = 0, 1, 2, 3, 4
+
+        def __init__(self, min_severity=WARNING):
+            pass
+
+    return types.SimpleNamespace(
+        Runtime=Runtime, Logger=Logger, DataType=DataType, TensorIOMode=TensorIOMode,
+        float32=DataType.FLOAT, float16=DataType.HALF, bfloat16=DataType.BF16, int8=DataType.INT8,
+        int32=DataType.INT32, int64=DataType.INT64, bool=DataType.BOOL, uint8=DataType.UINT8,
+    )

@@ -1,0 +1,270 @@
+"""TrtSession on the CPU, over the strict CUDA / TensorRT stand-ins of fake_cuda.py: everything a GPU cannot
+be asked here (buffer sizes and element sizes from the engine's dtypes, addresses, pitches, the alternating
+cache sets, the fixed-length past with its mask and slot copies, graph capture and replay, nothing leaked),
+for every precision, both decode modes, and prompts up to the full context, token for token against ONNX
+Runtime on the same graph."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import json
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from fake_cuda import DataType, FakeCudart, _Fault, cudaError_t, fake_tensorrt, write_plan
+
+from andrea_export import runtime
+from andrea_export.config import ANDREA_TINY
+from andrea_export.export import read_config
+from andrea_export.kvcache import optimization_profiles, read_kv_layout
+from andrea_export.precision import PRECISIONS, convert_precision, emulate_in_fp32
+from andrea_export.runtime.ort import OrtSession
+
+N = ANDREA_TINY.n_positions
+LENGTHS = [1, 64, N - 1, N]  # one token, a middle prompt, the longest that still decodes, the full context
+NOTHING_LIVE = {"allocations": 0, "streams": 0, "graphs": 0, "graph_execs": 0}
+
+
+def _prompt(length: int) -> list[int]:
+    return np.random.default_rng(length).integers(0, ANDREA_TINY.vocab_size, length).tolist()
+
+
+@pytest.fixture(scope="module")
+def graphs(build_dir, tmp_path_factory):
+    """The lively decoder in each precision (what a build's `decoder_onnx` is)."""
+    d = tmp_path_factory.mktemp("precisions")
+    out = {"fp32": build_dir / "decoder.onnx"}
+    for p in ("fp16", "bf16"):
+        out[p] = convert_precision(out["fp32"], d / f"decoder.{p}.onnx", p)
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(graphs, tmp_path_factory):
+    """ONNX Runtime on the same graphs. bf16: ONNX Runtime's CPU provider has no bf16 kernels, so the reference
+    is the graph's emulate_in_fp32 twin (every op rounded to bf16; its float32 cache holds bf16 values), which
+    is also what the fake engine computes with; the engine keeps its cache in 2-byte bf16 buffers."""
+    out = {}
+    for p, g in graphs.items():
+        layout, cfg = read_kv_layout(g), read_config(g)
+        if p == "bf16":
+            path = tmp_path_factory.mktemp("emulated") / "decoder.bf16-emulated.onnx"
+            onnx.save(emulate_in_fp32(onnx.load(str(g))), str(path))
+            g, layout = path, dataclasses.replace(layout, cache_dtype="float32")
+        out[p] = OrtSession(g, cfg, layout, providers=["CPUExecutionProvider"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def expected(references):
+    """(precision, prompt length) -> (prefill logits, greedy tokens to the end of the context), computed once."""
+    memo = {}
+
+    def get(precision: str, length: int):
+        if (precision, length) not in memo:
+            ref, prompt = references[precision], _prompt(length)
+            memo[precision, length] = ref.forward(prompt), ref.generate(prompt, N - length) if length < N else []
+        return memo[precision, length]
+
+    return get
+
+
+@pytest.fixture
+def device(monkeypatch):
+    """The fake CUDA runtime and TensorRT, in place of the real ones inside runtime/trt.py."""
+    from andrea_export.runtime import trt as trt_backend
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: cudart)
+    monkeypatch.setattr(trt_backend, "_tensorrt", lambda: fake_tensorrt(cudart))
+    return cudart
+
+
+def _build_folder(folder, graph, **plan):
+    """A build folder as the pipeline writes it: the decoder graph, an engine built from it, a manifest naming both."""
+    folder.mkdir()
+    shutil.copy(graph, folder / graph.name)
+    write_plan(folder / "decoder.plan", folder / graph.name, optimization_profiles(read_kv_layout(graph)), **plan)
+    artifacts = {"decoder_onnx": {"path": graph.name}, "decoder_engine": {"path": "decoder.plan"}}
+    (folder / "manifest.json").write_text(json.dumps({"artifacts": artifacts}))
+    return folder
+
+
+def _closed_clean(device: FakeCudart):
+    assert device.sticky is None, device.fault
+    assert device.live() == NOTHING_LIVE
+
+
+@pytest.mark.parametrize("length", LENGTHS)
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["growing-cache", "cuda-graph"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_trt_session_matrix(device, graphs, expected, tmp_path, precision, cuda_graph, length):
+    """forward(prompt) and greedy generation to the end of the context equal ONNX Runtime's on the same graph."""
+    logits, tokens = expected(precision, length)
+    prompt = _prompt(length)
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs[precision]), backend="tensorrt", cuda_graph=cuda_graph)
+    assert sess.cuda_graph_active is cuda_graph, sess.cuda_graph_error
+    got = sess.forward(prompt)
+    assert got.dtype == np.float32 and got.shape == logits.shape
+    np.testing.assert_allclose(got, logits, rtol=1e-5, atol=1e-5)  # the same prefill, through the same graph
+    if length < N:
+        assert sess.generate(prompt, N - length) == tokens
+    sess.close()
+    _closed_clean(device)
+
+
+def test_no_allocation_per_step_and_the_graph_replays_one_enqueue(device, graphs, expected, tmp_path):
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs["fp16"]), backend="tensorrt")
+    assert sess.cuda_graph_active
+    assert device.graph_ops(sess._graph_exec) == ["enqueue profile 1"]  # exactly the decode step, nothing else
+    allocated = device.mallocs
+    for length in (5, 4):  # odd and even prompts, the second reusing every buffer and the graph
+        assert sess.generate(_prompt(length), 30) == expected("fp16", length)[1][:30]
+    assert device.mallocs == allocated
+    assert device.launches == 29 + 29
+    sess.close()
+    _closed_clean(device)
+
+
+def test_an_engine_plan_beside_the_fp32_graph_takes_its_dtypes_from_the_engine(device, graphs, expected, tmp_path):
+    """bench.py loads `decoder.plan` directly; beside it lies decoder.onnx, the fp32 graph, even in an fp16 build."""
+    folder = tmp_path / "build"
+    folder.mkdir()
+    shutil.copy(graphs["fp32"], folder / "decoder.onnx")
+    shutil.copy(graphs["fp16"], folder / "decoder.fp16.onnx")
+    write_plan(folder / "decoder.plan", folder / "decoder.fp16.onnx", optimization_profiles(read_kv_layout(graphs["fp16"])))
+    for cuda_graph in (False, True):
+        with runtime.load(folder / "decoder.plan", backend="tensorrt", cuda_graph=cuda_graph) as sess:
+            assert sess.layout.cache_dtype == "float16"
+            assert sess.generate(_prompt(64), 20) == expected("fp16", 64)[1][:20]
+    _closed_clean(device)
+
+
+def test_a_failed_capture_falls_back_and_frees_the_graph(device, graphs, expected, tmp_path):
+    """An enqueue that fails during capture: the session decodes uncaptured, and the graph that
+    cudaStreamEndCapture returned is destroyed at once (not only at close)."""
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs["fp32"], fail_capture=True), backend="tensorrt")
+    assert not sess.cuda_graph_active and "execute_async_v3" in sess.cuda_graph_error
+    assert device.live()["graphs"] == 0 and device.live()["graph_execs"] == 0
+    assert sess.generate(_prompt(64), N - 64) == expected("fp32", 64)[1]
+    assert device.launches == 0
+    sess.close()
+    _closed_clean(device)
+
+
+def test_a_decode_past_the_context_is_refused(device, graphs, tmp_path):
+    for cuda_graph in (False, True):
+        with runtime.load(_build_folder(tmp_path / f"b{cuda_graph}", graphs["fp32"]), backend="tensorrt",
+                          cuda_graph=cuda_graph) as sess:
+            sess.forward(_prompt(N))
+            with pytest.raises(runtime.InputError, match=f"the context of {N} tokens is full"):
+                sess._decode(1)
+    _closed_clean(device)
+
+
+# --- the stand-ins themselves: each contract can fail ------------------------------------------------
+
+def test_fake_cuda_checks_sizes_pitches_and_directions():
+    rt = FakeCudart()
+    _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    _, a = rt.cudaMalloc(64)
+    _, b = rt.cudaMalloc(64)
+    assert a % 256 == 0 and b % 256 == 0
+    host = np.arange(16, dtype=np.float32)
+    K = rt.cudaMemcpyKind
+    ok, bad_value = (cudaError_t.cudaSuccess,), (cudaError_t.cudaErrorInvalidValue,)
+    assert rt.cudaMemcpyAsync(a, host.ctypes.data, 64, K.cudaMemcpyHostToDevice, stream) == ok
+    assert rt.cudaMemcpyAsync(a + 4, host.ctypes.data, 64, K.cudaMemcpyHostToDevice, stream) == bad_value  # 4 B over
+    assert rt.cudaMemcpyAsync(host.ctypes.data, a, 64, K.cudaMemcpyHostToDevice, stream) == (
+        cudaError_t.cudaErrorInvalidMemcpyDirection,)
+    assert rt.cudaMemsetAsync(b, 0, 65, stream) == bad_value
+    # 2-D: 4 rows of 16 B, pitches 16 and 8 bytes
+    d2d = K.cudaMemcpyDeviceToDevice
+    assert rt.cudaMemcpy2DAsync(b, 16, a, 16, 16, 4, d2d, stream) == ok
+    assert rt.cudaMemcpy2DAsync(b, 8, a, 16, 16, 4, d2d, stream) == (cudaError_t.cudaErrorInvalidPitchValue,)
+    assert rt.cudaMemcpy2DAsync(b, 16, a, 8, 16, 4, d2d, stream) == (cudaError_t.cudaErrorInvalidPitchValue,)
+    assert rt.cudaMemcpy2DAsync(b + 8, 16, a, 16, 16, 4, d2d, stream) == bad_value  # last row ends 8 B past b
+    out = np.zeros(16, dtype=np.float32)
+    assert rt.cudaMemcpyAsync(out.ctypes.data, b, 64, K.cudaMemcpyDeviceToHost, stream) == ok
+    np.testing.assert_array_equal(out, host)
+    with pytest.raises(_Fault, match="past the end"):
+        rt.device_bytes(a + 60, 8)
+    assert rt.cudaFree(a) == ok and rt.cudaFree(a) == bad_value
+    assert rt.cudaFree(b) == ok and rt.cudaStreamDestroy(stream) == ok
+    assert rt.live() == NOTHING_LIVE
+
+
+def test_fake_cuda_graph_replays_exactly_what_was_recorded():
+    rt = FakeCudart()
+    _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    _, dev = rt.cudaMalloc(8)
+    one, two = np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)
+    H2D, D2H = rt.cudaMemcpyKind.cudaMemcpyHostToDevice, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
+    out = np.zeros(1, dtype=np.int64)
+    assert rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)[0] == 0
+    rt.cudaMemcpyAsync(dev, one.ctypes.data, 8, H2D, stream)
+    assert rt.cudaMalloc(8)[0] == cudaError_t.cudaErrorStreamCaptureUnsupported  # not while capturing
+    err, graph = rt.cudaStreamEndCapture(stream)
+    assert err == cudaError_t.cudaErrorStreamCaptureInvalidated and graph is None  # the malloc broke the capture
+    rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)
+    rt.cudaMemcpyAsync(dev, one.ctypes.data, 8, H2D, stream)  # recorded, not run
+    rt.cudaMemcpyAsync(dev, two.ctypes.data, 8, H2D, stream)
+    assert rt.cudaStreamSynchronize(stream)[0] == cudaError_t.cudaErrorStreamCaptureUnsupported
+    assert rt.cudaStreamEndCapture(stream) == (cudaError_t.cudaErrorStreamCaptureInvalidated, None)
+    rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)
+    rt.cudaMemcpyAsync(dev, two.ctypes.data, 8, H2D, stream)
+    rt.cudaMemcpyAsync(out.ctypes.data, dev, 8, D2H, stream)
+    err, graph = rt.cudaStreamEndCapture(stream)
+    assert err == 0 and out[0] == 0  # nothing ran yet
+    _, exe = rt.cudaGraphInstantiate(graph, 0)
+    assert rt.graph_ops(exe) == ["memcpy 8B", "memcpy 8B"]
+    two[0] = 7  # the graph copies from the recorded address: it sees the host value at launch time
+    rt.cudaGraphLaunch(exe, stream)
+    assert out[0] == 7 and rt.launches == 1
+    for r in (rt.cudaGraphDestroy(graph), rt.cudaGraphExecDestroy(exe), rt.cudaFree(dev), rt.cudaStreamDestroy(stream)):
+        assert r == (cudaError_t.cudaSuccess,)
+    assert rt.live() == NOTHING_LIVE
+
+
+def test_fake_tensorrt_reports_the_graphs_dtypes_and_faults_out_of_bounds(graphs, tmp_path):
+    rt = FakeCudart()
+    trt = fake_tensorrt(rt)
+    layout = read_kv_layout(graphs["bf16"])
+    plan = write_plan(tmp_path / "p.plan", graphs["bf16"], optimization_profiles(layout))
+    engine = trt.Runtime(trt.Logger()).deserialize_cuda_engine(plan.read_bytes())
+    dtypes = {engine.get_tensor_name(i): engine.get_tensor_dtype(engine.get_tensor_name(i))
+              for i in range(engine.num_io_tensors)}
+    assert dtypes["input_ids"] == dtypes["attention_mask"] == DataType.INT64 and dtypes["logits"] == DataType.FLOAT
+    assert {dtypes[n] for n in layout.past_names + layout.present_names} == {DataType.BF16}
+    assert engine.get_tensor_shape("past_key_values.0.key") == (-1, layout.n_head, -1, layout.head_dim)
+    # a prefill of 2 tokens whose logits buffer is one row short: the enqueue faults, the sync reports it
+    _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    ctx = engine.create_execution_context()
+    assert ctx.set_optimization_profile_async(0, stream)
+    assert not ctx.set_input_shape("input_ids", (1, N + 1))  # outside the profile
+    shapes = {"input_ids": (1, 2), "attention_mask": (1, 2), **{n: (1, layout.n_head, 0, layout.head_dim)
+                                                               for n in layout.past_names}}
+    for name, shape in shapes.items():
+        assert ctx.set_input_shape(name, shape)
+    _, ids = rt.cudaMalloc(16)
+    ctypes.memset(ids, 0, 16)
+    _, mask = rt.cudaMalloc(16)
+    rt.device_bytes(mask, 16)[...] = np.ones(2, dtype=np.int64).view(np.uint8)
+    _, logits = rt.cudaMalloc(layout.vocab_size * 4)  # room for one row of two
+    _, kv = rt.cudaMalloc(layout.n_head * 2 * layout.head_dim * 2)  # exactly [1, H, 2, D] bf16
+    assert not ctx.execute_async_v3(stream)  # no addresses yet
+    for name, ptr in {"input_ids": ids, "attention_mask": mask, "logits": logits,
+                      **{n: kv for n in layout.past_names + layout.present_names}}.items():
+        assert ctx.set_tensor_address(name, ptr)
+    assert not ctx.set_tensor_address("logits", logits + 2)  # not float32-aligned
+    assert ctx.execute_async_v3(stream)
+    assert rt.cudaStreamSynchronize(stream) == (cudaError_t.cudaErrorIllegalAddress,)
+    assert "tensor 'logits'" in rt.fault and "past the end" in rt.fault
+
+
+def test_fake_datatype_is_tensorrts():
+    trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) has the real DataType enum")
+    assert {k: int(v) for k, v in trt.DataType.__members__.items()} == {d.name: d.value for d in DataType}
