@@ -22,6 +22,10 @@ Decode has two modes:
   kernel launches, which the graph removes. If capture fails (an engine that cannot be captured), the
   same fixed-shape step runs through execute_async_v3 and `cuda_graph_active` says so.
 
+Element types: every buffer's element size and every host array's dtype come from the engine
+(`get_tensor_dtype`), never from the ONNX graph beside it: an fp16 or bf16 build keeps its KV cache in
+2-byte elements, and a `.plan` loaded on its own may lie beside the fp32 `decoder.onnx`.
+
 Written against the TensorRT 10 Python API (execute_async_v3, set_input_shape, set_tensor_address,
 set_optimization_profile_async) and cuda-python's runtime bindings; TensorRT-RTX (`tensorrt_rtx`) exposes
 the same calls.
@@ -29,6 +33,7 @@ the same calls.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +72,15 @@ def _cudart():
     return cudart
 
 
+def _numpy_dtypes(trt) -> dict:
+    """TensorRT DataType -> numpy dtype, for the types a decoder engine's I/O may have."""
+    import ml_dtypes  # numpy has no bfloat16; onnx depends on ml_dtypes
+
+    D = trt.DataType
+    return {D.FLOAT: np.dtype(np.float32), D.HALF: np.dtype(np.float16), D.BF16: np.dtype(ml_dtypes.bfloat16),
+            D.INT32: np.dtype(np.int32), D.INT64: np.dtype(np.int64)}
+
+
 class CudaError(AndreaExportError):
     """A CUDA runtime call failed."""
 
@@ -97,6 +111,9 @@ class TrtSession(Session):
         if self.engine is None:
             raise InputError(f"{engine_path}: TensorRT could not deserialize this engine (see the log above)")
         self._check_engine()
+        self.dtypes = self._engine_dtypes()  # tensor name -> numpy dtype, as the engine declares it
+        # the cache's element type is the engine's (fp16/bf16 builds), whatever graph the layout was read from
+        self.layout = layout = dataclasses.replace(layout, cache_dtype=self.dtypes[layout.past_names[0]].name)
 
         self.contexts = {}
         for name, index in self._profile_indices().items():
@@ -106,27 +123,29 @@ class TrtSession(Session):
             self.contexts[name] = ctx
         self._sync()
 
-        n, H, D, V = cfg.n_positions, layout.n_head, layout.head_dim, layout.vocab_size
-        f32 = 4
-        self._ids = self._alloc(n * 8)
-        self._mask_ones = self._alloc(n * 8)  # all ones: prefill and the growing-cache decode
-        self._upload(self._mask_ones, np.ones(n, dtype=np.int64))
-        self._logits = self._alloc(n * V * f32)
-        self._host_logits = np.empty((n, V), dtype=np.float32)
-        self._tok = np.zeros(1, dtype=np.int64)  # host sources of async copies live as long as the session
-        self._one = np.ones(1, dtype=np.int64)
+        n, H, V = cfg.n_positions, layout.n_head, layout.vocab_size
+        ids_t, mask_t, logits_t = self.dtypes[INPUT_IDS], self.dtypes[ATTENTION_MASK], self.dtypes[LOGITS]
+        self._row = layout.head_dim * self.dtypes[layout.past_names[0]].itemsize  # one token, one head: bytes
+        self._ids = self._alloc(n * ids_t.itemsize)
+        self._mask_ones = self._alloc(n * mask_t.itemsize)  # all ones: prefill and the growing-cache decode
+        self._upload(self._mask_ones, np.ones(n, dtype=mask_t))
+        self._logits = self._alloc(n * V * logits_t.itemsize)
+        self._host_logits = np.empty((n, V), dtype=logits_t)
+        self._tok = np.zeros(1, dtype=ids_t)  # host sources of async copies live as long as the session
+        self._one = np.ones(1, dtype=mask_t)
         self._len = 0
         self.static = cuda_graph
-        kv = H * n * D * f32  # one cache tensor at full length
+        kv = H * n * self._row  # one cache tensor at full length
         self._present = [self._alloc(kv) for _ in layout.present_names]
         if self.static:
-            self._past = [self._alloc(H * (n - 1) * D * f32) for _ in layout.past_names]
+            past_bytes = H * (n - 1) * self._row
+            self._past = [self._alloc(past_bytes) for _ in layout.past_names]
             for p in self._past:  # unfilled slots are masked, but weights of 0 times a NaN would still be NaN
-                _ok(rt, rt.cudaMemsetAsync(p, 0, H * (n - 1) * D * f32, self.cuda_stream), "cudaMemsetAsync")
-            self._mask_static = self._alloc(n * 8)
+                _ok(rt, rt.cudaMemsetAsync(p, 0, past_bytes, self.cuda_stream), "cudaMemsetAsync")
+            self._mask_static = self._alloc(n * mask_t.itemsize)
             # valid ids and mask before the warm-up run: garbage ids would index the embedding out of bounds
-            self._upload(self._ids, np.zeros(n, dtype=np.int64))
-            self._upload(self._mask_static, np.eye(1, n, n - 1, dtype=np.int64)[0])
+            self._upload(self._ids, np.zeros(n, dtype=ids_t))
+            self._upload(self._mask_static, np.eye(1, n, n - 1, dtype=mask_t)[0])
             self._bind_static_decode()
             self._capture()
         else:
@@ -145,6 +164,33 @@ class TrtSession(Session):
                 f"{self.source}: the engine has {self.engine.num_optimization_profiles} optimization profile(s); "
                 f"the runtime needs the prefill and decode profiles (kvcache.optimization_profiles)"
             )
+
+    def _engine_dtypes(self) -> dict[str, np.dtype]:
+        """Each I/O tensor's numpy dtype from the engine; InputError for types or sizes this runtime cannot
+        drive (integer ids and mask, floating logits, one floating type for the whole cache)."""
+        L, engine = self.layout, self.engine
+        known = _numpy_dtypes(self.trt)
+        out = {}
+        for t in L.inputs + L.outputs:
+            dt = engine.get_tensor_dtype(t.name)
+            if dt not in known:
+                raise InputError(f"{self.source}: engine tensor '{t.name}' has type {dt}, which this runtime cannot drive")
+            out[t.name] = known[dt]
+        cache = {out[name] for name in L.past_names + L.present_names}
+        floating = np.dtype(np.float32), np.dtype(np.float16), known[self.trt.DataType.BF16]
+        if len(cache) != 1 or not cache <= set(floating) or out[LOGITS] not in floating:
+            raise InputError(f"{self.source}: engine KV cache types {sorted(str(d) for d in cache)} and logits type "
+                             f"{out[LOGITS]}: expected one floating type for the cache and floating logits")
+        if not all(out[name].kind == "i" for name in (INPUT_IDS, ATTENTION_MASK)):
+            raise InputError(f"{self.source}: engine '{INPUT_IDS}' / '{ATTENTION_MASK}' are not integer tensors")
+        for name in L.past_names + L.present_names:  # the sizes behind every buffer and copy
+            shape = tuple(engine.get_tensor_shape(name))
+            if len(shape) != 4 or (shape[1], shape[3]) != (L.n_head, L.head_dim):
+                raise InputError(f"{self.source}: engine tensor '{name}' has shape {list(shape)}, the model's KV layout "
+                                 f"[batch, {L.n_head}, length, {L.head_dim}]")
+        if tuple(engine.get_tensor_shape(LOGITS))[-1] != L.vocab_size:
+            raise InputError(f"{self.source}: engine logits are not over the model's {L.vocab_size} tokens")
+        return out
 
     def _profile_indices(self) -> dict[str, int]:
         """Which profile is prefill (past max 0, many tokens) and which decode (1 token, long past)."""
@@ -204,25 +250,29 @@ class TrtSession(Session):
         rt, ctx = self.cudart, self.contexts[DECODE]
         self._execute(ctx)
         self._sync()
+        graph = None
         try:
             _ok(rt, rt.cudaStreamBeginCapture(self.cuda_stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
                 "cudaStreamBeginCapture")
             try:
                 self._execute(ctx)
-            finally:
-                graph = _ok(rt, rt.cudaStreamEndCapture(self.cuda_stream), "cudaStreamEndCapture")
+            finally:  # end the capture whatever happened; a failed enqueue still leaves a graph to destroy
+                err, graph = rt.cudaStreamEndCapture(self.cuda_stream)
+            _ok(rt, (err,), "cudaStreamEndCapture")
             self._graph_exec = _ok(rt, rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
-            _ok(rt, rt.cudaGraphDestroy(graph), "cudaGraphDestroy")
             self.cuda_graph_active = True
         except CudaError as e:  # e.g. an engine with data-dependent shapes: run the same step uncaptured
             self.cuda_graph_error = str(e)
             rt.cudaGetLastError()
+        finally:
+            if graph is not None:  # the executable keeps what it needs
+                rt.cudaGraphDestroy(graph)
 
     # -- steps -------------------------------------------------------------------------------------------
     def _prefill(self, ids: list[int]) -> np.ndarray:
         L, H, D, T = self.layout, self.layout.n_head, self.layout.head_dim, len(ids)
         rt = self.cudart
-        self._upload(self._ids, np.asarray(ids, dtype=np.int64))
+        self._upload(self._ids, np.asarray(ids, dtype=self.dtypes[INPUT_IDS]))
         present = self._present if (self.static or T % 2 == 0) else self._past_b  # dynamic: set T % 2
         shapes = {INPUT_IDS: (1, T), ATTENTION_MASK: (1, T), **{p: (1, H, 0, D) for p in L.past_names}}
         addresses = {INPUT_IDS: self._ids, ATTENTION_MASK: self._mask_ones, LOGITS: self._logits,
@@ -230,13 +280,14 @@ class TrtSession(Session):
                      **dict(zip(L.present_names, present))}
         self._bind(self.contexts[PREFILL], shapes, addresses)
         self._execute(self.contexts[PREFILL])
-        if self.static:  # scatter the prompt's keys/values into slots 0..T-1 of the fixed-length past
-            n, f32 = self.cfg.n_positions, 4
+        if self.static:  # scatter the prompt's keys/values into slots 0..k-1 of the fixed-length past
+            n, row = self.cfg.n_positions, self._row
+            k = min(T, n - 1)  # a full-context prompt (T = n) fills the past; no token can follow it
             for src, dst in zip(self._present, self._past):
-                _ok(rt, rt.cudaMemcpy2DAsync(dst, (n - 1) * D * f32, src, T * D * f32, T * D * f32, H,
+                _ok(rt, rt.cudaMemcpy2DAsync(dst, (n - 1) * row, src, T * row, k * row, H,
                                              rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.cuda_stream), "cudaMemcpy2DAsync")
-            mask = np.zeros(n, dtype=np.int64)
-            mask[:T] = 1
+            mask = np.zeros(n, dtype=self.dtypes[ATTENTION_MASK])
+            mask[:k] = 1
             mask[-1] = 1  # the new token's own slot
             self._upload(self._mask_static, mask)
         self._len = T
@@ -244,7 +295,9 @@ class TrtSession(Session):
 
     def _decode(self, token: int) -> np.ndarray:
         rt, L, P = self.cudart, self.layout, self._len
-        H, D, n, f32 = L.n_head, L.head_dim, self.cfg.n_positions, 4
+        H, D, n, row = L.n_head, L.head_dim, self.cfg.n_positions, self._row
+        if P >= n:
+            raise InputError(f"the context of {n} tokens is full: no token can follow")
         self._tok[0] = token
         self._upload(self._ids, self._tok)
         if self.static:
@@ -252,11 +305,11 @@ class TrtSession(Session):
                 _ok(rt, rt.cudaGraphLaunch(self._graph_exec, self.cuda_stream), "cudaGraphLaunch")
             else:
                 self._execute(self.contexts[DECODE])
-            for src, dst in zip(self._present, self._past):  # new key/value (last slot) -> past slot P
-                _ok(rt, rt.cudaMemcpy2DAsync(dst + P * D * f32, (n - 1) * D * f32, src + (n - 1) * D * f32, n * D * f32,
-                                             D * f32, H, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.cuda_stream),
-                    "cudaMemcpy2DAsync")
-            self._upload(self._mask_static, self._one, offset=P * 8)
+            for src, dst in zip(self._present, self._past if P < n - 1 else ()):  # new key/value -> past slot P
+                _ok(rt, rt.cudaMemcpy2DAsync(dst + P * row, (n - 1) * row, src + (n - 1) * row, n * row,
+                                             row, H, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.cuda_stream),
+                    "cudaMemcpy2DAsync")  # (P = n - 1: the context is now full, nothing reads the past again)
+            self._upload(self._mask_static, self._one, offset=P * self._one.itemsize)
         else:
             past, present = (self._present, self._past_b) if P % 2 == 0 else (self._past_b, self._present)
             shapes = {INPUT_IDS: (1, 1), ATTENTION_MASK: (1, P + 1), **{p: (1, H, P, D) for p in L.past_names}}
@@ -273,7 +326,7 @@ class TrtSession(Session):
         _ok(rt, rt.cudaMemcpyAsync(out.ctypes.data, self._logits, out.nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost,
                                    self.cuda_stream), "cudaMemcpyAsync D2H")
         self._sync()
-        return out.copy()
+        return out.astype(np.float32)  # a copy, float32 whatever the engine's logits type
 
     def close(self) -> None:
         rt = self.cudart
