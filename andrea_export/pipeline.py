@@ -286,23 +286,25 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
             if reason:
                 report.skipped.append({"artifact": "decoder_engine", "reason": reason})
             else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph) decodes like PyTorch
-                report.decoder["engine_greedy"] = _engine_greedy(folder, model, artifacts, greedy_steps or 32)
-                if precision == "fp32":
-                    report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine_greedy"]["agree"]
+                report.decoder["engine_greedy"] = _engine_greedy(folder, model, artifacts, greedy_steps or 32, precision)
+                report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine_greedy"]["passed"]
         report.passed = report.passed and report.decoder["passed"]
     return report
 
 
-def _engine_greedy(folder: Path, model, artifacts: dict, steps: int) -> dict:
+def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
+    """Greedy decoding through the runtime's TrtSession against PyTorch; `passed` gates the build in every
+    precision: a divergence fails unless every logit up to it is within the precision's tolerance (a tie)."""
     from .export import read_config
     from .kvcache import check_decoder_onnx
+    from .precision import TOLERANCES
     from .runtime.agreement import greedy_agreement
     from .runtime.trt import TrtSession
 
     graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
     prompt = list(range(1, 9))
     with TrtSession(folder / artifacts["decoder_engine"], read_config(graph), check_decoder_onnx(graph)) as sess:
-        greedy = greedy_agreement(model, sess, prompt, n_tokens=steps)
+        greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **TOLERANCES[precision])
     greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
     return greedy
 

@@ -7,7 +7,8 @@
 Backends: `onnxruntime` (any machine; CUDA provider when present) and `tensorrt` (GPU hosts, an engine
 built from the same graph). `auto` takes TensorRT when the folder has an engine and TensorRT imports,
 else ONNX Runtime. The model config and the cache layout come from the ONNX metadata, so a folder needs
-nothing but the graph (and the engine, for TensorRT).
+nothing but the graph (and the engine, for TensorRT, which takes the cache's element type from the engine:
+a `.plan` given alone may lie beside the fp32 `decoder.onnx` of an fp16 or bf16 build).
 """
 
 from __future__ import annotations

@@ -145,6 +145,9 @@ def greedy_agreement(
     session: Session | str | Path,
     prompt_ids: Sequence[int],
     n_tokens: int = 64,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
 ) -> dict:
     """Greedy-decode `n_tokens` through `session` (KV cache) and through PyTorch recomputing the full
     sequence each step (no cache); compare token for token.
@@ -157,7 +160,11 @@ def greedy_agreement(
             reference's token)},
         min_reference_margin (smallest top-1/top-2 gap of the reference over the steps compared: how close
             the run came to a tie), max_abs_logit_diff (over the steps with identical contexts),
-        reference_tokens, candidate_tokens, seconds {reference, candidate}.
+        reference_tokens, candidate_tokens, seconds {reference, candidate};
+        with `rtol` and `atol` (a precision's verification tolerances): tolerances, and passed: every logit of
+        every step compared (up to and including the first divergence) is within them of the reference. So
+        the tokens agree, or part where the reference's top two are closer than the tolerance lets both move
+        (a tie that precision cannot resolve); a divergence with any logit further off fails.
     """
     if not isinstance(session, Session):
         from . import load
@@ -200,6 +207,9 @@ def greedy_agreement(
         "candidate_tokens": cand_tokens,
         "seconds": {"reference": t_ref, "candidate": t_cand},
     }
+    if rtol is not None and atol is not None:
+        report["tolerances"] = {"rtol": rtol, "atol": atol}
+        report["passed"] = all(np.allclose(cand_logits[i], ref_logits[i], rtol=rtol, atol=atol) for i in compared)
     if first is not None:
         r, c = ref_tokens[first], cand_tokens[first]
         report["at_divergence"] = {

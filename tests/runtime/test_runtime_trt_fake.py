@@ -272,3 +272,52 @@ def test_fake_datatype_is_tensorrts():
 
     assert {d.name: t.name for d, t in _numpy_dtypes(trt).items()} == {  # the runtime's map, on the real enum
         "FLOAT": "float32", "HALF": "float16", "BF16": "bfloat16", "INT32": "int32", "INT64": "int64"}
+
+
+# --- the build's check of the decoder engine -----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def wrong_graphs(graphs, tmp_path_factory):
+    """Each precision's decoder with one block's weights disturbed: an engine that decodes wrongly without an error."""
+    from onnx import numpy_helper
+
+    d, out = tmp_path_factory.mktemp("wrong"), {}
+    rng = np.random.default_rng(0)
+    for p, g in graphs.items():
+        m = onnx.load(str(g))
+        t = [t for t in m.graph.initializer if len(t.dims) == 2 and not t.name.startswith("wte")][-1]  # a block's
+        a = numpy_helper.to_array(t)
+        noisy = a.astype(np.float32) + rng.normal(0, 0.3, a.shape).astype(np.float32)
+        t.CopyFrom(numpy_helper.from_array(noisy.astype(a.dtype), t.name))
+        onnx.save(m, str(d / f"decoder.{p}.onnx"))
+        out[p] = d / f"decoder.{p}.onnx"
+    return out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, graphs, wrong_graphs, lively_model,
+                                                                      tmp_path, monkeypatch, precision):
+    """pipeline._verify on a GPU host: the decoder engine's greedy decoding through TrtSession gates the build's
+    status in every precision. Here the engine runs on the fake device; the other checks are not the subject."""
+    from andrea_export import pipeline
+    from andrea_export import verify as verify_module
+
+    monkeypatch.setattr(verify_module, "verify", lambda model, runners, *, precision, skipped, **_: verify_module.VerifyReport(
+        True, precision, {}, {}, [], [], skipped))
+    monkeypatch.setattr(pipeline, "_engine_runner", lambda plan, info: (object(), ""))
+    monkeypatch.setattr(pipeline, "_verify_decoder", lambda *a, **k: {"passed": True})
+    monkeypatch.setattr(pipeline, "_engine_blocker", lambda plan, info: None)  # as on a GPU host
+    artifacts = {"onnx": "model.onnx", "onnx_plugin": "model.plugin.onnx", "engine": "model.plan",
+                 "decoder_onnx": graphs[precision].name, "decoder_engine": "decoder.plan",
+                 "decoder_engine_info": "decoder.plan.json"}
+    got = {}
+    for name, engine_graph in (("right", graphs[precision]), ("wrong", wrong_graphs[precision])):
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copy(graphs[precision], folder / graphs[precision].name)
+        write_plan(folder / "decoder.plan", engine_graph, optimization_profiles(read_kv_layout(engine_graph)))
+        (folder / "decoder.plan.json").write_text("{}")
+        report = pipeline._verify(folder, lively_model, precision, artifacts, {}, None, 16)
+        got[name] = pipeline._status(report), report.decoder["engine_greedy"]["passed"]
+    assert got == {"right": ("passed", True), "wrong": ("failed", False)}
+    _closed_clean(device)
