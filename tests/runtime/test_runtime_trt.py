@@ -80,3 +80,15 @@ def test_trt_greedy_matches_onnxruntime(trt_build_dir, session, cuda_graph):
 def test_auto_picks_tensorrt_when_an_engine_is_there(trt_build_dir):
     with runtime.load(trt_build_dir) as sess:
         assert sess.backend == "tensorrt"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+@pytest.mark.parametrize("cuda_graph", [False, True])
+def test_trt_full_context(trt_build_dir, session, cuda_graph):
+    """A prompt of n_positions tokens (the CUDA-graph past holds n_positions - 1), and decoding to the last slot."""
+    n = ANDREA_TINY.n_positions
+    prompt = np.random.default_rng(0).integers(0, ANDREA_TINY.vocab_size, n).tolist()
+    with runtime.load(trt_build_dir, backend="tensorrt", cuda_graph=cuda_graph) as trt_sess:
+        np.testing.assert_allclose(trt_sess.forward(prompt), session.forward(prompt), rtol=1e-3, atol=1e-3)
+        assert trt_sess.generate(prompt[:2], n - 2) == session.generate(prompt[:2], n - 2)

@@ -155,10 +155,18 @@ def test_a_failed_capture_falls_back_and_frees_the_graph(device, graphs, expecte
     _closed_clean(device)
 
 
-def test_a_decode_past_the_context_is_refused(device, graphs, tmp_path):
+def test_a_decode_into_the_last_position_then_no_further(device, graphs, references, tmp_path):
+    """Generation never feeds its last token back, so only a direct decode reaches position n_positions - 1:
+    it must compute right (the CUDA-graph past has no slot to keep it in, and needs none), then refuse more."""
+    prompt = _prompt(N - 1)
+    want = references["fp32"].forward(prompt + [5])[-1]
     for cuda_graph in (False, True):
         with runtime.load(_build_folder(tmp_path / f"b{cuda_graph}", graphs["fp32"]), backend="tensorrt",
                           cuda_graph=cuda_graph) as sess:
+            sess.forward(prompt)
+            np.testing.assert_allclose(sess._decode(5), want, rtol=1e-4, atol=1e-4)
+            with pytest.raises(runtime.InputError, match=f"the context of {N} tokens is full"):
+                sess._decode(1)
             sess.forward(_prompt(N))
             with pytest.raises(runtime.InputError, match=f"the context of {N} tokens is full"):
                 sess._decode(1)
