@@ -36,18 +36,17 @@ def _gpu_with_tensorrt() -> str | None:
 SKIP = _gpu_with_tensorrt()
 
 
-@pytest.fixture(scope="module")
-def trt_build_dir(build_dir, tmp_path_factory):
-    """The ORT build folder plus decoder.plan, built here with TensorRT from the two profiles."""
+def _build_engine(onnx_path, plan_path):
+    """decoder.plan from a decoder graph with TensorRT: strongly typed (the graph's precision), both profiles."""
     import tensorrt as trt
 
-    folder = tmp_path_factory.mktemp("trt")
-    shutil.copy(build_dir / "decoder.onnx", folder / "decoder.onnx")
+    from andrea_export.build import network_flags
+
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
-    network = builder.create_network(0)
+    network = builder.create_network(network_flags(trt))
     parser = trt.OnnxParser(network, logger)
-    assert parser.parse_from_file(str(folder / "decoder.onnx"))
+    assert parser.parse_from_file(str(onnx_path))
     config = builder.create_builder_config()
     for prof in optimization_profiles(ANDREA_TINY):
         p = builder.create_optimization_profile()
@@ -56,7 +55,15 @@ def trt_build_dir(build_dir, tmp_path_factory):
         config.add_optimization_profile(p)
     plan = builder.build_serialized_network(network, config)
     assert plan is not None
-    (folder / "decoder.plan").write_bytes(bytes(plan))
+    plan_path.write_bytes(bytes(plan))
+
+
+@pytest.fixture(scope="module")
+def trt_build_dir(build_dir, tmp_path_factory):
+    """The ORT build folder plus decoder.plan, built here with TensorRT from the two profiles."""
+    folder = tmp_path_factory.mktemp("trt")
+    shutil.copy(build_dir / "decoder.onnx", folder / "decoder.onnx")
+    _build_engine(folder / "decoder.onnx", folder / "decoder.plan")
     return folder
 
 
@@ -92,3 +99,23 @@ def test_trt_full_context(trt_build_dir, session, cuda_graph):
     with runtime.load(trt_build_dir, backend="tensorrt", cuda_graph=cuda_graph) as trt_sess:
         np.testing.assert_allclose(trt_sess.forward(prompt), session.forward(prompt), rtol=1e-3, atol=1e-3)
         assert trt_sess.generate(prompt[:2], n - 2) == session.generate(prompt[:2], n - 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(SKIP is not None, reason=str(SKIP))
+@pytest.mark.parametrize("cuda_graph", [False, True])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_trt_half_precision_engine_decodes_like_pytorch(build_dir, lively_model, tmp_path, precision, cuda_graph):
+    """An fp16/bf16 engine (2-byte cache elements), loaded as bench.py does (the .plan beside the fp32
+    decoder.onnx), passes the build's engine check: every logit up to any divergence within the precision's
+    tolerance of PyTorch. (ONNX Runtime's CPU provider has no bf16 kernels to compare with directly.)"""
+    from andrea_export.precision import TOLERANCES, convert_precision
+    from andrea_export.runtime.agreement import greedy_agreement
+
+    shutil.copy(build_dir / "decoder.onnx", tmp_path / "decoder.onnx")
+    graph = convert_precision(tmp_path / "decoder.onnx", tmp_path / f"decoder.{precision}.onnx", precision)
+    _build_engine(graph, tmp_path / "decoder.plan")
+    with runtime.load(tmp_path / "decoder.plan", backend="tensorrt", cuda_graph=cuda_graph) as trt_sess:
+        assert trt_sess.layout.cache_dtype == {"fp16": "float16", "bf16": "bfloat16"}[precision]
+        report = greedy_agreement(lively_model, trt_sess, list(range(1, 9)), 64, **TOLERANCES[precision])
+    assert report["passed"], {k: v for k, v in report.items() if "tokens" not in k}
