@@ -100,14 +100,24 @@ def verify_decoder(
     ids = np.array([[0] * (width - len(r)) + r for r in rows], dtype=np.int64)
     mask = np.array([[0] * (width - len(r)) + [1] * len(r) for r in rows], dtype=np.int64)
     reference = _torch_runner(model, reference_layout)
-    candidate = OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers or ["CPUExecutionProvider"]),
-                             name=f"onnxrt:{Path(onnx_path).name}")
+    providers = providers or ["CPUExecutionProvider"]
+    source, name, run_layout = str(onnx_path), f"onnxrt:{Path(onnx_path).name}", layout
+    if layout.cache_dtype == "bfloat16" and providers == ["CPUExecutionProvider"]:
+        import onnx
+
+        from ..precision import emulate_in_fp32
+
+        # ONNX Runtime's CPU provider has no bf16 kernels: the emulated twin (every op rounded to bf16) takes
+        # and returns its cache in float32 holding bf16 values
+        source, name = emulate_in_fp32(onnx.load(source)).SerializeToString(), name + " (bf16 emulated)"
+        run_layout = dataclasses.replace(layout, cache_dtype="float32")
+    candidate = OnnxrtRunner(SessionFromOnnx(source, providers=providers), name=name)
     outputs: dict[str, list] = {reference.name: [], candidate.name: []}
     per_step = []
     with G_LOGGER.verbosity(G_LOGGER.ERROR), reference, candidate:
         past = {r.name: {n: np.zeros((len(rows), l.n_head, 0, l.head_dim), dtype=_np_dtype(l.cache_dtype))
                          for n in l.past_names}
-                for r, l in ((reference, reference_layout), (candidate, layout))}
+                for r, l in ((reference, reference_layout), (candidate, run_layout))}
         new, step_mask = ids, mask
         for s in range(steps + 1):
             got = {}

@@ -172,3 +172,16 @@ def test_load_refuses(build_dir, tiny_onnx, tmp_path):
     with pytest.raises(InputError) as e:
         runtime.load(lonely / "decoder.plan")
     assert str(e.value) == f"{lonely / 'decoder.plan'}: a TensorRT engine needs its decoder.onnx beside it (for the model config and cache layout)"
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_verify_decoder_in_half_precision(lively_model, build_dir, tmp_path, precision):
+    """The build's step-by-step decoder check on an fp16 / bf16 graph. ONNX Runtime's CPU provider has no
+    bf16 kernels: a bf16 graph runs as its emulate_in_fp32 twin (every op rounded to bf16)."""
+    from andrea_export.precision import TOLERANCES, convert_precision
+    from andrea_export.runtime.agreement import verify_decoder
+
+    graph = convert_precision(build_dir / "decoder.onnx", tmp_path / f"decoder.{precision}.onnx", precision)
+    report = verify_decoder(lively_model, graph, [[5, 6, 7, 8, 9], [300, 200]], steps=4, **TOLERANCES[precision])
+    assert report["passed"], report
+    assert all(s["max_abs_logits"] > 0 for s in report["per_step"])  # really computed in the lower precision
