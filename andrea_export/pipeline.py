@@ -220,6 +220,9 @@ def _build_decoder(tmp: Path, model, opts, builder: str, artifacts: dict, timing
         artifacts["decoder_onnx_fp32"] = decoder.name
         decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
     artifacts["decoder_onnx"] = decoder.name
+    from .genai import write_genai_config  # onnxruntime_genai.Model(build_dir) runs the decoder as it is
+
+    artifacts["genai_config"] = write_genai_config(decoder).name
     source = decoder
     if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
         source = apply_gelu_plugin(decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"),
