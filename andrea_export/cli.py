@@ -42,8 +42,9 @@ def _shapes(ctx, param, value: str | None):
 
 
 checkpoint_option = click.option(
-    "--checkpoint", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="Weights: .safetensors (project or GPT-2 layout) or .pt/.bin (read with weights_only). "
+    "--checkpoint", type=click.Path(path_type=Path), default=None,
+    help="Weights: .safetensors (project or GPT-2 layout; a GPT-2 config.json beside it is read), a Hugging "
+         "Face save_pretrained folder (sharded too), or .pt/.bin (read with weights_only). "
          "Default: seeded random weights, announced.")
 config_option = click.option(
     "--config", "config", default=None, metavar="NAME|FILE",
@@ -79,8 +80,11 @@ def main():
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("model.onnx"),
               show_default=True, help="The ONNX file to write (written atomically).")
 @click.option("--opset", default=20, show_default=True, help="ONNX opset (>= 20: tanh-GELU as one Gelu node).")
+@click.option("--hf-folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Instead: write a folder Optimum's ORTModelForCausalLM loads (the KV-cache decoder as "
+                   "model.onnx, a GPT-2 config.json and generation_config.json).")
 @_user_errors
-def export(checkpoint, config, seed, out, opset):
+def export(checkpoint, config, seed, out, opset, hf_folder):
     """Export the model to ONNX: input_ids int64 [batch, seq] -> logits float32 [batch, seq, vocab].
 
     Batch and sequence are dynamic (sequence up to the model's context). The export is deterministic:
@@ -92,6 +96,11 @@ def export(checkpoint, config, seed, out, opset):
     from .export import check_onnx, export_onnx, op_counts
 
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
+    if hf_folder:
+        from .hf import write_hf_folder
+
+        click.echo(write_hf_folder(model, hf_folder))
+        return
     export_onnx(model, out, opset=opset)
     counts = op_counts(check_onnx(out))
     click.echo(f"{out}: {sum(counts.values())} nodes, {counts['Gelu(tanh)']} tanh-GELU, "
