@@ -259,10 +259,12 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     """Package a build folder for Triton Inference Server: REPO/NAME/config.pbtxt + REPO/NAME/1/model.plan|onnx.
 
     The config is written from Triton's own ModelConfig message (needs the 'triton' extra). The engine's
-    tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. Run the server with
-    `tritonserver --model-repository=REPO`; see docs/deploying.md.
+    tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. A build with the KV-cache
+    decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
+    the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
     """
-    from .triton import write_triton_repo
+    from .triton import read_manifest, write_triton_repo
+    from .triton_decoder import write_triton_decoder
 
     model_dir = write_triton_repo(
         build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
@@ -270,6 +272,11 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
         overwrite=overwrite, allow_failed=allow_failed, hardlink=not copy_files,
     )
     click.echo(model_dir)
+    if "decoder_onnx" in read_manifest(build_dir)["artifacts"]:
+        click.echo(write_triton_decoder(build_dir, repo, name=f"{name}-decoder" if name else None, backend=backend,
+                                        instances=instances,
+                                        kind=kind, overwrite=overwrite, allow_failed=allow_failed,
+                                        hardlink=not copy_files))
 
 
 @main.command()

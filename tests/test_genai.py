@@ -6,26 +6,13 @@ import json
 import pytest
 
 from andrea_export import runtime
-from andrea_export.checkpoint import save_checkpoint
 from andrea_export.errors import ExportError
 from andrea_export.genai import GENAI_CONFIG, genai_config, write_genai_config
-from andrea_export.pipeline import BuildOptions, run_build
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai (the 'genai' extra)")
 
 PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3]
 N = 64
-
-
-@pytest.fixture(scope="module")
-def lively_build(lively_model, tmp_path_factory):
-    """A real build folder of the lively model (checkpoint in, TensorRT-RTX engines built on the CPU)."""
-    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
-    ckpt = save_checkpoint(lively_model, tmp_path_factory.mktemp("ckpt") / "lively.safetensors")
-    out = tmp_path_factory.mktemp("build") / "lively"
-    run_build(BuildOptions(checkpoint=str(ckpt), builder="tensorrt-rtx", out=str(out), greedy_steps=4,
-                           verify_shapes=[[1, 3]]))
-    return out
 
 
 def _genai_greedy(folder, prompt, n):
