@@ -71,3 +71,60 @@ def test_genai_config_options_are_checked(lively_decoder):
         genai_config(lively_decoder, eos_token_id=8449)
     with pytest.raises(ExportError, match="unknown onnxruntime-genai provider"):
         genai_config(lively_decoder, provider="tensorrt")
+
+
+# The onnxruntime-genai C API functions the C example in docs/deploying.md uses, declared as in its
+# header ort_genai_c.h (the PyPI wheel ships the library, not the header).
+C_DECLARATIONS = """
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+typedef struct OgaResult OgaResult;
+typedef struct OgaModel OgaModel;
+typedef struct OgaGeneratorParams OgaGeneratorParams;
+typedef struct OgaGenerator OgaGenerator;
+const char* OgaResultGetError(const OgaResult*);
+void OgaDestroyResult(OgaResult*);
+OgaResult* OgaCreateModel(const char* config_path, OgaModel** out);
+OgaResult* OgaCreateGeneratorParams(const OgaModel*, OgaGeneratorParams** out);
+OgaResult* OgaGeneratorParamsSetSearchNumber(OgaGeneratorParams*, const char* name, double value);
+OgaResult* OgaCreateGenerator(const OgaModel*, const OgaGeneratorParams*, OgaGenerator** out);
+OgaResult* OgaGenerator_AppendTokens(OgaGenerator*, const int32_t* input_ids, size_t count);
+bool OgaGenerator_IsDone(OgaGenerator*);
+OgaResult* OgaGenerator_GenerateNextToken(OgaGenerator*);
+OgaResult* OgaGenerator_GetNextTokens(const OgaGenerator*, const int32_t** out, size_t* out_count);
+void OgaDestroyGenerator(OgaGenerator*);
+void OgaDestroyGeneratorParams(OgaGeneratorParams*);
+void OgaDestroyModel(OgaModel*);
+void OgaShutdown(void);
+"""
+
+
+def test_the_documented_c_program_generates_our_tokens(lively_build, tmp_path):
+    """docs/deploying.md's C example, compiled against the wheel's libonnxruntime-genai.so, run on the build."""
+    import re
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import onnxruntime
+
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no C compiler (gcc) on this machine")
+    genai_lib = Path(og.__file__).parent
+    doc = (Path(__file__).parents[1] / "docs" / "deploying.md").read_text()
+    source = re.search(r"```c\n(.*?)```", doc, re.S).group(1)
+    (tmp_path / "gen.c").write_text(source)
+    (tmp_path / "ort_genai_c.h").write_text(C_DECLARATIONS)
+    subprocess.run([gcc, "-o", str(tmp_path / "gen"), str(tmp_path / "gen.c"), f"-I{tmp_path}", f"-L{genai_lib}",
+                    "-l:libonnxruntime-genai.so", f"-Wl,-rpath,{genai_lib}"], check=True, capture_output=True)
+    ort_lib = tmp_path / "ortlib"  # genai dlopens libonnxruntime.so; the onnxruntime wheel names it by version
+    ort_lib.mkdir()
+    (found,) = Path(onnxruntime.__file__).parent.glob("capi/libonnxruntime.so.*")
+    (ort_lib / "libonnxruntime.so").symlink_to(found)
+    run = subprocess.run([str(tmp_path / "gen"), str(lively_build), ",".join(map(str, PROMPT)), str(N)],
+                         capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(ort_lib)}, timeout=120)
+    assert run.returncode == 0, run.stderr
+    with runtime.load(lively_build, "onnxruntime") as sess:
+        assert [int(t) for t in run.stdout.split()] == sess.generate(PROMPT, N)
