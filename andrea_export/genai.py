@@ -18,8 +18,8 @@ src/config.h, src/models/model.cpp, kv_cache.cpp, position_inputs.cpp):
   (`enable_cuda_graph`) needs a shared buffer (kv_cache.cpp refuses otherwise), so provider options
   written here turn it off.
 - `eos/bos/pad_token_id`: genai requires an end token inside the vocabulary. A tokenizer, when the
-  build has one, says which; without one the GPT-2 convention (the last id) is used and said so in
-  the manifest. A generation that produces it stops there, as in any genai model.
+  build has one, says which; without one the GPT-2 convention (the last id) is used (docs/deploying.md
+  says so). A generation that produces it stops there, as in any genai model.
 - Tokenizer: genai reads `tokenizer.json` / `tokenizer_config.json` from the folder of the config
   (`model.tokenizer_dir` empty); `tokenizer_files` below copies them in (hook for the text extra).
 """

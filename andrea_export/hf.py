@@ -26,7 +26,7 @@ import json
 from pathlib import Path
 
 from .config import ModelConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, ExportError
 
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
@@ -98,7 +98,6 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict:
         "bos_token_id": eos,
         "eos_token_id": eos,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # inference graph: no dropout
-        "andrea": {"name": cfg.name, "weights_in": "model.onnx"},
     }
 
 
@@ -111,7 +110,7 @@ def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, 
 
     out = Path(out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(f"{out} exists and is not an empty folder; choose another --hf-folder")
+        raise ExportError(f"{out} exists and is not an empty folder; choose another --hf-folder")
     conf = hf_config(model.cfg, eos_token_id)
     gen = {"bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"],
            "pad_token_id": conf["eos_token_id"], "do_sample": False, "max_length": model.cfg.n_positions}
