@@ -76,7 +76,7 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> Andr
             raise CheckpointError(f"{path}: tensor '{twice[0]}' is stored in more than one shard")
         tensors.update(t)
     tied = True
-    if hf_json is not None and CONFIG_KEY not in meta:
+    if hf_json is not None:
         from .hf import read_hf_config
 
         hf_cfg, tied = read_hf_config(hf_json, name=path.stem)  # refuses erf-GELU etc. even when config is given
@@ -110,7 +110,19 @@ def resolve_checkpoint(path: Path) -> tuple[list[Path], Path | None]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file or folder")
     beside = path.parent / "config.json"
-    return [path], beside if path.suffix == ".safetensors" and beside.is_file() else None
+    if path.suffix != ".safetensors" or not beside.is_file() or CONFIG_KEY in _read_metadata(path):
+        return [path], None  # a project checkpoint carries its own config; a config.json beside it is not read
+    return [path], beside
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable .safetensors file (truncated or another format?): {e}") from None
 
 
 def _shards(folder: Path, index: Path) -> list[Path]:

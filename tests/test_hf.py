@@ -199,3 +199,22 @@ def test_optimum_generate_equals_our_greedy(lively_model, lively_decoder, tmp_pa
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
                          do_sample=False)
     assert out[0, len(prompt):].tolist() == ours
+
+
+def test_project_checkpoint_ignores_a_config_json_beside_it(tiny_model, hf_folder, tmp_path):
+    from andrea_export.checkpoint import save_checkpoint
+
+    path = save_checkpoint(tiny_model, tmp_path / "ours.safetensors")
+    before = checkpoint_sha256(path)
+    shutil.copy(hf_folder / "config.json", tmp_path / "config.json")  # another model's config, 1000-token vocab
+    assert load_checkpoint(path).cfg == tiny_model.cfg and checkpoint_sha256(path) == before
+
+
+def test_hf_folder_refuses_an_occupied_folder(tiny_model, tmp_path):
+    from andrea_export.errors import ExportError
+    from andrea_export.hf import write_hf_folder
+
+    (tmp_path / "keep.txt").write_text("mine")
+    with pytest.raises(ExportError, match="not an empty folder"):
+        write_hf_folder(tiny_model, tmp_path, quiet=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]
