@@ -274,9 +274,8 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     click.echo(model_dir)
     if "decoder_onnx" in read_manifest(build_dir)["artifacts"]:
         click.echo(write_triton_decoder(build_dir, repo, name=f"{name}-decoder" if name else None, backend=backend,
-                                        instances=instances,
-                                        kind=kind, overwrite=overwrite, allow_failed=allow_failed,
-                                        hardlink=not copy_files))
+                                        instances=instances, kind=kind, overwrite=overwrite,
+                                        allow_failed=allow_failed, hardlink=not copy_files))
 
 
 @main.command()
