@@ -7,6 +7,11 @@ Two layouts are read:
     `Conv1D` weights stored transposed ([in, out]); `lm_head.weight`, if present, must equal `wte`.
 The layout is told by the fused QKV weight: [3C, C] is ours, [C, 3C] is Conv1D (C != 3C, so never ambiguous).
 
+Where the weights are (`resolve_checkpoint`): a file, or a Hugging Face `save_pretrained` folder
+(`model.safetensors`, or shards listed in `model.safetensors.index.json`). A `config.json` in the folder,
+or beside a bare file, is read by hf.read_hf_config (not guessed from shapes). Every path an index names
+must stay inside the folder: the folder is untrusted input.
+
 Files are never unpickled: `.safetensors` is read with safetensors; `.pt/.bin` only with
 `torch.load(weights_only=True)`.
 """
@@ -56,19 +61,102 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> Andr
     """Load a checkpoint into a new reference model (float32, eval mode).
 
     Args:
-        path: a `.safetensors` file (project or GPT-2 layout), or `.pt/.bin` (read with weights_only=True).
-        config: the expected config. Without it the config is read from the file's metadata or inferred
-            from the tensor shapes (vocab, width, depth, context; heads when unambiguous).
+        path: a `.safetensors` file (project or GPT-2 layout), `.pt/.bin` (read with weights_only=True), or a
+            Hugging Face `save_pretrained` folder (config.json + model.safetensors or sharded safetensors).
+        config: the expected config. Without it the config is read from the file's metadata, else from a
+            GPT-2 `config.json` (in the folder or beside the file), else inferred from the tensor shapes
+            (vocab, width, depth, context; heads only for GPT-2's own widths).
     """
     path = Path(path)
-    tensors, meta = _read_tensors(path)
-    tensors = _to_project_layout(tensors, path)
+    files, hf_json = resolve_checkpoint(path)
+    tensors, meta = {}, {}
+    for f in files:
+        t, meta = _read_tensors(f)
+        if twice := sorted(set(t) & set(tensors)):
+            raise CheckpointError(f"{path}: tensor '{twice[0]}' is stored in more than one shard")
+        tensors.update(t)
+    tied = True
+    if hf_json is not None:
+        from .hf import read_hf_config
+
+        hf_cfg, tied = read_hf_config(hf_json, name=path.stem)  # refuses erf-GELU etc. even when config is given
+        config = config or hf_cfg
+    tensors = _to_project_layout(tensors, path, tied)
     cfg = config or _config_from(tensors, meta, path)
     model = Andrea(cfg)
     _check_against(model, tensors, path)
     model.load_state_dict(tensors, strict=True)
-    model.weights_source = {"kind": "checkpoint", "sha256": sha256_file(path)}  # no path: same file, same ONNX bytes
+    # no path: the same bytes give the same ONNX bytes wherever they lie
+    model.weights_source = {"kind": "checkpoint", "sha256": checkpoint_sha256(path)}
     return model.eval()
+
+
+INDEX = "model.safetensors.index.json"
+
+
+def resolve_checkpoint(path: Path) -> tuple[list[Path], Path | None]:
+    """(weight files, GPT-2 config.json or None) for a checkpoint file or a save_pretrained folder."""
+    if path.is_dir():
+        if (path / INDEX).is_file():
+            files = _shards(path, path / INDEX)
+        elif (path / "model.safetensors").is_file():
+            files = [path / "model.safetensors"]
+        else:
+            raise CheckpointError(f"{path}: a checkpoint folder needs model.safetensors or {INDEX} "
+                                  "(a Hugging Face save_pretrained folder)")
+        if not (path / "config.json").is_file():
+            raise CheckpointError(f"{path}: no config.json in the checkpoint folder (save_pretrained writes one)")
+        return files, path / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file or folder")
+    beside = path.parent / "config.json"
+    if path.suffix != ".safetensors" or not beside.is_file() or CONFIG_KEY in _read_metadata(path):
+        return [path], None  # a project checkpoint carries its own config; a config.json beside it is not read
+    return [path], beside
+
+
+def _read_metadata(path: Path) -> dict[str, str]:
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{path}: not a readable .safetensors file (truncated or another format?): {e}") from None
+
+
+def _shards(folder: Path, index: Path) -> list[Path]:
+    """The shard files an index names, each checked to lie inside `folder` (untrusted input)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index}: not a safetensors index (JSON with a 'weight_map'): {e}") from None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
+    root = folder.resolve()
+    files = []
+    for name in dict.fromkeys(weight_map.values()):
+        if not isinstance(name, str) or not name.endswith(".safetensors"):
+            raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file name")
+        f = (folder / name).resolve()
+        if f.parent != root:  # no '..', no absolute path, no sub-folder, no symlink pointing out
+            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint folder; refused")
+        if not f.is_file():
+            raise CheckpointError(f"{index}: shard {name!r} is missing from {folder}")
+        files.append(f)
+    return files
+
+
+def checkpoint_sha256(path: str | Path) -> str:
+    """sha256 of a checkpoint: of the file itself, or, when more files make it (shards, a config.json
+    that sets its shape), of their names and sha256s in order."""
+    files, hf_json = resolve_checkpoint(Path(path))
+    parts = files + ([hf_json] if hf_json is not None else [])
+    if len(parts) == 1:
+        return sha256_file(parts[0])
+    import hashlib
+
+    return hashlib.sha256("".join(f"{p.name}:{sha256_file(p)}\n" for p in parts).encode()).hexdigest()
 
 
 def save_checkpoint(model: Andrea, path: str | Path) -> Path:
@@ -111,7 +199,7 @@ def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         ) from None
 
 
-def _to_project_layout(tensors: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+def _to_project_layout(tensors: dict[str, torch.Tensor], path: Path, tied: bool = True) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k, v in tensors.items():
         k = k.removeprefix("transformer.")
@@ -129,6 +217,9 @@ def _to_project_layout(tensors: dict[str, torch.Tensor], path: Path) -> dict[str
             f"{path}: tensor 'lm_head.weight' differs from 'wte.weight'; ANDREA ties the output projection "
             "to the token embedding, so an untied head cannot be represented"
         )
+    if not tied and head is None:  # transformers would give the untied head fresh random weights
+        raise CheckpointError(f"{path}: config.json says tie_word_embeddings false, but there is no 'lm_head.weight'; "
+                              "ANDREA's output projection is the token embedding, so an untied head is refused")
     for k, v in out.items():
         if not v.is_floating_point():
             raise CheckpointError(f"{path}: tensor '{k}' has dtype {v.dtype}; weights must be floating point")
@@ -153,7 +244,7 @@ def _config_from(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: P
     if n_embd not in GPT2_HEADS:
         raise CheckpointError(
             f"{path}: the number of attention heads cannot be inferred from tensor shapes (width {n_embd} is not "
-            "a GPT-2 size); pass a config file with 'n_head' (--config)"
+            "a GPT-2 size); put the model's config.json beside it, or pass a config file with 'n_head' (--config)"
         )
     return ModelConfig(
         name=path.stem, vocab_size=vocab, n_embd=n_embd, n_layer=n_layer, n_head=GPT2_HEADS[n_embd],

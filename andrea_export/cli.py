@@ -42,8 +42,9 @@ def _shapes(ctx, param, value: str | None):
 
 
 checkpoint_option = click.option(
-    "--checkpoint", type=click.Path(dir_okay=False, path_type=Path), default=None,
-    help="Weights: .safetensors (project or GPT-2 layout) or .pt/.bin (read with weights_only). "
+    "--checkpoint", type=click.Path(path_type=Path), default=None,
+    help="Weights: .safetensors (project or GPT-2 layout; a GPT-2 config.json beside it is read), a Hugging "
+         "Face save_pretrained folder (sharded too), or .pt/.bin (read with weights_only). "
          "Default: seeded random weights, announced.")
 config_option = click.option(
     "--config", "config", default=None, metavar="NAME|FILE",
@@ -79,8 +80,11 @@ def main():
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=Path("model.onnx"),
               show_default=True, help="The ONNX file to write (written atomically).")
 @click.option("--opset", default=20, show_default=True, help="ONNX opset (>= 20: tanh-GELU as one Gelu node).")
+@click.option("--hf-folder", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Instead: write a folder Optimum's ORTModelForCausalLM loads (the KV-cache decoder as "
+                   "model.onnx, a GPT-2 config.json and generation_config.json).")
 @_user_errors
-def export(checkpoint, config, seed, out, opset):
+def export(checkpoint, config, seed, out, opset, hf_folder):
     """Export the model to ONNX: input_ids int64 [batch, seq] -> logits float32 [batch, seq, vocab].
 
     Batch and sequence are dynamic (sequence up to the model's context). The export is deterministic:
@@ -92,6 +96,11 @@ def export(checkpoint, config, seed, out, opset):
     from .export import check_onnx, export_onnx, op_counts
 
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
+    if hf_folder:
+        from .hf import write_hf_folder
+
+        click.echo(write_hf_folder(model, hf_folder))
+        return
     export_onnx(model, out, opset=opset)
     counts = op_counts(check_onnx(out))
     click.echo(f"{out}: {sum(counts.values())} nodes, {counts['Gelu(tanh)']} tanh-GELU, "
@@ -250,10 +259,12 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     """Package a build folder for Triton Inference Server: REPO/NAME/config.pbtxt + REPO/NAME/1/model.plan|onnx.
 
     The config is written from Triton's own ModelConfig message (needs the 'triton' extra). The engine's
-    tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. Run the server with
-    `tritonserver --model-repository=REPO`; see docs/deploying.md.
+    tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. A build with the KV-cache
+    decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
+    the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
     """
-    from .triton import write_triton_repo
+    from .triton import read_manifest, write_triton_repo
+    from .triton_decoder import write_triton_decoder
 
     model_dir = write_triton_repo(
         build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
@@ -261,6 +272,10 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
         overwrite=overwrite, allow_failed=allow_failed, hardlink=not copy_files,
     )
     click.echo(model_dir)
+    if "decoder_onnx" in read_manifest(build_dir)["artifacts"]:
+        click.echo(write_triton_decoder(build_dir, repo, name=f"{name}-decoder" if name else None, backend=backend,
+                                        instances=instances, kind=kind, overwrite=overwrite,
+                                        allow_failed=allow_failed, hardlink=not copy_files))
 
 
 @main.command()

@@ -210,6 +210,7 @@ def _build_decoder(tmp: Path, model, opts, builder: str, artifacts: dict, timing
     """The KV-cache decoder graph (in the build's precision; its cache too), its plugin graph for
     TensorRT, and its engine with two optimization profiles (prefill: no past; decode: one token)."""
     from .build import build_engine
+    from .genai import write_genai_config
     from .kvcache import export_decoder_onnx, optimization_profiles
     from .passes.gelu_plugin import apply_gelu_plugin
     from .precision import convert_precision
@@ -220,6 +221,7 @@ def _build_decoder(tmp: Path, model, opts, builder: str, artifacts: dict, timing
         artifacts["decoder_onnx_fp32"] = decoder.name
         decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
     artifacts["decoder_onnx"] = decoder.name
+    artifacts["genai_config"] = write_genai_config(decoder).name  # onnxruntime_genai.Model(build_dir) runs it
     source = decoder
     if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
         source = apply_gelu_plugin(decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"),

@@ -31,8 +31,7 @@ Decisions, and why:
 - The tanh-GELU plugin of a plugin engine is an ahead-of-time (AOT) plugin: its kernel is embedded in
   the plan, so Triton needs no plugin library (`--backend-config=tensorrt,plugins=...`) and no
   LD_PRELOAD. This is written in the config's header and in its `parameters`.
-- The KV-cache decoder (`decoder_onnx`) is refused for now: serving it needs sequence batching with
-  implicit state for every past_key_values tensor, which is a separate piece of work.
+- The KV-cache decoder (`decoder_onnx`) is a model of its own, stateful: triton_decoder.py.
 - Writing is atomic: the model folder is assembled under a temporary name (beside the repository when
   the file system allows, so a polling Triton never sees it half-made) and renamed into place. Files
   are hard-linked from the build when possible (the build's files are only ever replaced, never
@@ -279,9 +278,9 @@ def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) ->
         return backend
     if "decoder_onnx" in artifacts:
         raise PackageError(
-            f"{build_dir}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; packaging it "
-            "for Triton is not supported yet (it needs sequence batching with implicit state for the "
-            "past_key_values). Package a build with the full-sequence 'onnx' or 'engine' artifact"
+            f"{build_dir}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; package it "
+            "as a stateful model with andrea_export.triton_decoder.write_triton_decoder, or package a build "
+            "with the full-sequence 'onnx' or 'engine' artifact"
         )
     if backend == "auto":
         why = (" (the engine is a TensorRT-RTX plan, which Triton's TensorRT backend cannot load)" if rtx_engine

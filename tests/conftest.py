@@ -1,6 +1,6 @@
 """Shared fixtures, made once per session: the tiny model and its ONNX export; a "lively" tiny model
-(GPT-2 init at tiny size only repeats the last token; larger block weights make decoding vary) and
-its KV-cache decoder graph."""
+(GPT-2 init at tiny size only repeats the last token; larger block weights make decoding vary), its
+KV-cache decoder graph and a whole build folder of it."""
 
 import pytest
 import torch
@@ -38,6 +38,20 @@ def lively_decoder(lively_model, tmp_path_factory):
     from andrea_export.kvcache import DECODER_FILE, export_decoder_onnx
 
     return export_decoder_onnx(lively_model, tmp_path_factory.mktemp("decoder") / DECODER_FILE, quiet=True)
+
+
+@pytest.fixture(scope="session")
+def lively_build(lively_model, tmp_path_factory):
+    """A real build folder of the lively model: its checkpoint in, TensorRT-RTX engines built on the CPU."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    from andrea_export.checkpoint import save_checkpoint
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    ckpt = save_checkpoint(lively_model, tmp_path_factory.mktemp("ckpt") / "lively.safetensors")
+    out = tmp_path_factory.mktemp("build") / "lively"
+    run_build(BuildOptions(checkpoint=str(ckpt), builder="tensorrt-rtx", out=str(out), greedy_steps=4,
+                           verify_shapes=[[1, 3]]))
+    return out
 
 
 @pytest.fixture(autouse=True)

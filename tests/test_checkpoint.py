@@ -61,7 +61,8 @@ def test_heads_ambiguous_needs_a_config(tiny_model, tmp_path):
     path = tmp_path / "g.safetensors"
     save_file(_gpt2_layout(tiny_model), str(path))
     with pytest.raises(CheckpointError, match=r"number of attention heads cannot be inferred from tensor shapes "
-                       r"\(width 64 is not a GPT-2 size\); pass a config file with 'n_head' \(--config\)"):
+                       r"\(width 64 is not a GPT-2 size\); put the model's config.json beside it, or pass a config file "
+                       r"with 'n_head' \(--config\)"):
         load_checkpoint(path)
 
 

@@ -276,9 +276,9 @@ def test_kv_cache_decoder_is_refused_with_a_reason(tmp_path, onnx_only):
     with pytest.raises(PackageError) as e:
         write_triton_repo(build, tmp_path / "repo")
     assert str(e.value) == (
-        f"{build}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; packaging it for Triton "
-        "is not supported yet (it needs sequence batching with implicit state for the past_key_values). "
-        "Package a build with the full-sequence 'onnx' or 'engine' artifact"
+        f"{build}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; package it as a "
+        "stateful model with andrea_export.triton_decoder.write_triton_decoder, or package a build with the "
+        "full-sequence 'onnx' or 'engine' artifact"
     )
 
 
