@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import importlib.util
 import json
 import os
 import re
@@ -35,7 +34,7 @@ import onnx
 
 from .artifacts import atomic_path, sha256_file, write_text_atomic
 from .config import ModelConfig
-from .errors import BuildError, ConfigError, MissingDependency, require
+from .errors import BuildError, ConfigError, MissingDependency, installed, require
 from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from .progress import console, warn
 
@@ -70,15 +69,6 @@ def trt_module(builder: str):
 
 
 _NAMES = {"tensorrt": "TensorRT", "tensorrt-rtx": "TensorRT-RTX"}
-
-
-def installed(module: str) -> bool:
-    """Whether `tensorrt` / `tensorrt_rtx` is really there: tensorrt-stubs alone makes `import tensorrt`
-    succeed as an empty namespace package, so the check is for a Builder."""
-    try:
-        return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), "Builder")
-    except (ImportError, ValueError):  # ValueError: a None entry in sys.modules
-        return False
 
 
 def network_flags(trt) -> int:

@@ -1,5 +1,9 @@
 """The toolkit's errors: user errors (bad input, missing dependency) that the CLI prints as one clear
-line and exits non-zero. Anything else is a bug and keeps its traceback."""
+line and exits non-zero. Anything else is a bug and keeps its traceback. Also the two checks for optional
+modules (`require`, `installed`), so that every layer can use them."""
+
+import importlib
+import importlib.util
 
 
 class AndreaExportError(Exception):
@@ -36,8 +40,6 @@ class MissingDependency(AndreaExportError):
 
 def require(module: str, extra: str, why: str):
     """Import `module` or raise MissingDependency naming the pip extra that provides it."""
-    import importlib
-
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -45,3 +47,12 @@ def require(module: str, extra: str, why: str):
             f"{why} needs the Python module '{module}', which could not be imported ({e}). "
             f"Install it with: pip install 'andrea-export[{extra}]'"
         ) from e
+
+
+def installed(module: str) -> bool:
+    """Whether `tensorrt` / `tensorrt_rtx` is really there: tensorrt-stubs alone makes `import tensorrt`
+    succeed as an empty namespace package, so the check is for a Builder."""
+    try:
+        return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), "Builder")
+    except (ImportError, ValueError):  # ValueError: a None entry in sys.modules
+        return False

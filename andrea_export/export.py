@@ -20,6 +20,7 @@ import torch
 from .artifacts import staging
 from .config import ModelConfig
 from .errors import ExportError
+from .graphs import check_onnx, read_config, read_metadata  # noqa: F401  (moved to graphs.py; importable from here)
 from .model import Andrea
 from .names import CONFIG_KEY, INPUT_IDS, LOGITS, WEIGHTS_KEY
 from .progress import step
@@ -98,35 +99,6 @@ def export_program(
         program.save(tmp / out.name, external_data=external_data)
         (check or check_onnx)(tmp / out.name)
     return out
-
-
-def check_onnx(path: str | Path) -> onnx.ModelProto:
-    """Full onnx.checker check and strict shape inference of a file; returns the model (weights not loaded)."""
-    path = Path(path)
-    if not path.is_file():
-        raise ExportError(f"{path}: no such ONNX file")
-    try:
-        onnx.checker.check_model(str(path), full_check=True)
-    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
-        raise ExportError(f"{path}: not a valid ONNX model: {str(e).splitlines()[0]}") from None
-    except Exception as e:  # a protobuf parse error has no public type
-        raise ExportError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
-    return onnx.load(str(path), load_external_data=False)
-
-
-def read_metadata(path: str | Path) -> dict[str, str]:
-    """The metadata_props of an ONNX file, checked to be a valid model first."""
-    return {p.key: p.value for p in check_onnx(path).metadata_props}
-
-
-def read_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig an andrea-export ONNX file was exported from (its `andrea.config` metadata)."""
-    meta = read_metadata(path)
-    if CONFIG_KEY not in meta:
-        raise ExportError(
-            f"{path}: has no '{CONFIG_KEY}' metadata: not exported by andrea-export, so its model config is unknown"
-        )
-    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
 
 
 def op_counts(model: onnx.ModelProto) -> Counter:

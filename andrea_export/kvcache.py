@@ -1,15 +1,6 @@
-"""The decoder graph with a KV cache: its I/O layout (one place, as data), its export, and the two TensorRT
-optimization profiles (prefill, decode) that engines built from it use.
-
-One graph serves both phases; only the shapes differ:
-
-    inputs   input_ids                 int64   [batch, new_tokens]
-             attention_mask            int64   [batch, past_len + new_tokens]   1 = real token, 0 = padding
-             past_key_values.{i}.key   float32 [batch, n_head, past_len, head_dim]   i = 0 .. n_layer-1
-             past_key_values.{i}.value float32 [batch, n_head, past_len, head_dim]
-    outputs  logits                    float32 [batch, new_tokens, vocab_size]
-             present.{i}.key           float32 [batch, n_head, past_len + new_tokens, head_dim]
-             present.{i}.value         float32 [batch, n_head, past_len + new_tokens, head_dim]
+"""The decoder graph with a KV cache: its export, and the two TensorRT optimization profiles (prefill,
+decode) that engines built from it use. Its I/O layout (one place, as data: `KVLayout`) and its readers
+are in graphs.py, which runtimes import without torch; their names stay importable from here.
 
 Prefill passes a past of length 0 (a tensor with an empty axis) and the whole prompt; decode passes the
 previous step's `present.*` as `past_key_values.*` and one token. Positions are not an input: the graph
@@ -17,127 +8,31 @@ derives them from the mask (position = number of real tokens before it), so left
 positions an unpadded sequence would. The names are those of Hugging Face Optimum / onnxruntime-genai
 exports, so their tooling and Triton configurations read the graph without a mapping table.
 
-The layout travels in the ONNX metadata as JSON under `andrea.kv_layout` (beside `andrea.config`), so a
-runtime needs only the file. Why one graph with a dynamic past instead of two graphs: one set of weights
-(369 MB for ANDREA-120M, not twice), one file to verify; TensorRT gets the two shape regimes as two
-optimization profiles of one engine (`optimization_profiles`).
+Why one graph with a dynamic past instead of two graphs: one set of weights (369 MB for ANDREA-120M, not
+twice), one file to verify; TensorRT gets the two shape regimes as two optimization profiles of one
+engine (`optimization_profiles`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-import onnx
 import torch
 from torch import nn
 
 from .config import ModelConfig
 from .errors import ExportError
-from .export import OPSET, check_onnx, export_program
+from .export import OPSET, export_program
+
+# The layout and its readers live in graphs.py (no torch, for runtimes); importable from here as before.
+from .graphs import (  # noqa: F401
+    BATCH, LAYOUT_VERSION, NEW, PAST, TOTAL, KVLayout, TensorSpec, check_decoder_onnx, kv_layout, past_name,
+    present_name, read_kv_layout,
+)
 from .model import Andrea
-from .names import ATTENTION_MASK, INPUT_IDS, KV_LAYOUT_KEY, LOGITS
+from .names import ATTENTION_MASK, DECODE, DECODER_FILE, INPUT_IDS, KV_LAYOUT_KEY, LOGITS, PREFILL  # noqa: F401
 
-DECODER_FILE = "decoder.onnx"  # its name inside a build folder
-LAYOUT_VERSION = 1
-
-# Symbolic axis names, as written into the ONNX graph.
-BATCH, NEW, PAST, TOTAL = "batch", "new_tokens", "past_len", "past_len + new_tokens"
-
-
-def past_name(layer: int, kind: str) -> str:
-    """`past_key_values.{layer}.{kind}`, kind 'key' or 'value'."""
-    return f"past_key_values.{layer}.{kind}"
-
-
-def present_name(layer: int, kind: str) -> str:
-    """`present.{layer}.{kind}`, kind 'key' or 'value'."""
-    return f"present.{layer}.{kind}"
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorSpec:
-    name: str
-    dtype: str  # numpy spelling: "int64", "float32"
-    shape: tuple  # ints and symbolic axis names
-
-
-@dataclasses.dataclass(frozen=True)
-class KVLayout:
-    """The decoder graph's I/O for one model config; `to_dict()` is what goes into the ONNX metadata."""
-
-    n_layer: int
-    n_head: int
-    head_dim: int
-    vocab_size: int
-    n_positions: int
-    cache_dtype: str = "float32"
-
-    @classmethod
-    def from_config(cls, cfg: ModelConfig, cache_dtype: str = "float32") -> KVLayout:
-        return cls(cfg.n_layer, cfg.n_head, cfg.head_dim, cfg.vocab_size, cfg.n_positions, cache_dtype)
-
-    @property
-    def past_names(self) -> list[str]:
-        return [past_name(i, k) for i in range(self.n_layer) for k in ("key", "value")]
-
-    @property
-    def present_names(self) -> list[str]:
-        return [present_name(i, k) for i in range(self.n_layer) for k in ("key", "value")]
-
-    @property
-    def inputs(self) -> list[TensorSpec]:
-        kv = (BATCH, self.n_head, PAST, self.head_dim)
-        return [TensorSpec(INPUT_IDS, "int64", (BATCH, NEW)), TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL))] + [
-            TensorSpec(n, self.cache_dtype, kv) for n in self.past_names
-        ]
-
-    @property
-    def outputs(self) -> list[TensorSpec]:
-        kv = (BATCH, self.n_head, TOTAL, self.head_dim)
-        return [TensorSpec(LOGITS, "float32", (BATCH, NEW, self.vocab_size))] + [
-            TensorSpec(n, self.cache_dtype, kv) for n in self.present_names
-        ]
-
-    @property
-    def feedback(self) -> dict[str, str]:
-        """present output -> the past input it feeds at the next step."""
-        return dict(zip(self.present_names, self.past_names))
-
-    def to_dict(self) -> dict:
-        return {
-            "version": LAYOUT_VERSION,
-            "n_layer": self.n_layer,
-            "n_head": self.n_head,
-            "head_dim": self.head_dim,
-            "vocab_size": self.vocab_size,
-            "n_positions": self.n_positions,
-            "cache_dtype": self.cache_dtype,
-            "inputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in self.inputs],
-            "outputs": [{"name": t.name, "dtype": t.dtype, "shape": list(t.shape)} for t in self.outputs],
-            "feedback": self.feedback,
-            "attention_mask": "1 = real token, 0 = padding (pad on the left); covers past and new tokens",
-            "positions": "derived in the graph: cumsum(attention_mask) - 1 over real tokens",
-        }
-
-    @classmethod
-    def from_dict(cls, data: dict, source: str = "kv layout") -> KVLayout:
-        if not isinstance(data, dict) or data.get("version") != LAYOUT_VERSION:
-            version = data.get("version") if isinstance(data, dict) else None
-            raise ExportError(f"{source}: unsupported KV layout version {version!r} (this toolkit reads {LAYOUT_VERSION})")
-        fields = [f.name for f in dataclasses.fields(cls)]
-        try:
-            layout = cls(**{f: data[f] for f in fields})
-        except KeyError as e:
-            raise ExportError(f"{source}: KV layout lacks the field {e.args[0]!r}") from None
-        if layout.to_dict() != data:  # names/shapes recorded by another writer: refuse rather than guess
-            raise ExportError(f"{source}: KV layout does not match the one this toolkit writes for its sizes")
-        return layout
-
-
-def kv_layout(cfg: ModelConfig) -> KVLayout:
-    return KVLayout.from_config(cfg)
 
 
 class _DecoderStep(nn.Module):
@@ -221,40 +116,9 @@ def _all_values(graph):
         yield from node.outputs
 
 
-def read_kv_layout(path: str | Path) -> KVLayout:
-    """The layout recorded in a decoder ONNX file's metadata (`andrea.kv_layout`)."""
-    meta = {p.key: p.value for p in check_onnx(path).metadata_props}
-    if KV_LAYOUT_KEY not in meta:
-        raise ExportError(
-            f"{path}: has no '{KV_LAYOUT_KEY}' metadata: not a KV-cache decoder graph "
-            f"(export one with andrea_export.kvcache.export_decoder_onnx)"
-        )
-    return KVLayout.from_dict(json.loads(meta[KV_LAYOUT_KEY]), source=f"{path} metadata")
-
-
-def check_decoder_onnx(path: str | Path) -> KVLayout:
-    """check_onnx, then: the graph's inputs and outputs are exactly the recorded layout (names, types, ranks,
-    fixed sizes). Returns the layout."""
-    proto = check_onnx(path)
-    layout = read_kv_layout(path)
-    for kind, got, want in (("input", proto.graph.input, layout.inputs), ("output", proto.graph.output, layout.outputs)):
-        got_names = [v.name for v in got]
-        if got_names != [t.name for t in want]:
-            raise ExportError(f"{path}: graph {kind}s {got_names} differ from the KV layout's {[t.name for t in want]}")
-        for v, t in zip(got, want):
-            tt = v.type.tensor_type
-            dtype = onnx.helper.tensor_dtype_to_np_dtype(tt.elem_type).name
-            dims = tuple(d.dim_param if d.HasField("dim_param") else d.dim_value for d in tt.shape.dim)
-            if dtype != t.dtype or dims != t.shape:
-                raise ExportError(f"{path}: {kind} '{v.name}' is {dtype}{list(dims)}, the KV layout says {t.dtype}{list(t.shape)}")
-    return layout
-
-
 # ---------------------------------------------------------------------------------------------------------
 # TensorRT optimization profiles
 # ---------------------------------------------------------------------------------------------------------
-
-PREFILL, DECODE = "prefill", "decode"
 
 
 def optimization_profiles(

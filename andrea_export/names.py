@@ -11,3 +11,6 @@ WEIGHTS_KEY = "andrea.weights"  # where the weights came from: a checkpoint (sha
 PRECISION_KEY = "andrea.precision"  # fp32 | fp16 | bf16 (precision.convert_precision)
 KV_LAYOUT_KEY = "andrea.kv_layout"  # the decoder's cache layout (kvcache.KVLayout)
 PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (passes/gelu_plugin.py)
+
+DECODER_FILE = "decoder.onnx"  # the KV-cache decoder graph's name inside a build folder
+PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (kvcache.optimization_profiles)

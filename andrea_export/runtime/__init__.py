@@ -3,12 +3,17 @@
     from andrea_export import runtime
     sess = runtime.load("andrea-build/")              # a build folder, or a decoder .onnx file
     new_ids = sess.generate([1, 2, 3], max_new_tokens=32, strategy="top-p", top_p=0.9, seed=0)
+    batch = sess.generate([[1, 2, 3], [4, 5]], max_new_tokens=32, seed=0)    # one list of new ids per prompt
 
 Backends: `onnxruntime` (any machine; CUDA provider when present) and `tensorrt` (GPU hosts, an engine
 built from the same graph). `auto` takes TensorRT when the folder has an engine and TensorRT imports,
 else ONNX Runtime. The model config and the cache layout come from the ONNX metadata, so a folder needs
 nothing but the graph (and the engine, for TensorRT, which takes the cache's element type from the engine:
 a `.plan` given alone may lie beside the fp32 `decoder.onnx` of an fp16 or bf16 build).
+
+A session may be shared by many threads (see base.py): ONNX Runtime sessions run their calls in parallel,
+TensorRT sessions one after another. Loading and generating import neither torch nor the build machinery:
+a service needs numpy, onnx and onnxruntime (plus TensorRT and cuda-python for the engine).
 """
 
 from __future__ import annotations
@@ -16,16 +21,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..build import installed
-from ..export import read_config
-from ..kvcache import DECODER_FILE, check_decoder_onnx
-from .base import InputError, Session, check_ids
+from ..errors import installed
+from ..graphs import read_decoder
+from ..names import DECODER_FILE
+from .base import InputError, Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
 ENGINE_FILE = "decoder.plan"  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
-__all__ = ["BACKENDS", "STRATEGIES", "InputError", "Sampling", "Session", "check_ids", "load", "next_token"]
+__all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
+           "load", "next_token"]
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
@@ -73,8 +79,7 @@ def load(
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     onnx_path, engine = _resolve(Path(path))
-    layout = check_decoder_onnx(onnx_path)  # ExportError with a clear message for a graph without the KV layout
-    cfg = read_config(onnx_path)
+    cfg, layout = read_decoder(onnx_path)  # ExportError with a clear message for a graph without the KV layout
     if backend == "auto":
         backend = "tensorrt" if engine is not None and installed("tensorrt") else "onnxruntime"
     if backend == "tensorrt":

@@ -1,25 +1,43 @@
 """The Session contract every backend implements, and everything that is the same for all of them: input
-checks (before anything runs), the generation loop, sampling.
+checks (before anything runs), the generation loop over a batch of requests, sampling.
 
-A backend provides two steps over a KV cache it keeps where it computes (host memory for ONNX Runtime's
-CPU provider, device memory for CUDA / TensorRT):
+A backend provides `_steps()`: a context manager that gives one call its own `Steps`, the KV cache of
+that call's batch, kept where the backend computes (host memory for ONNX Runtime's CPU provider, device
+memory for CUDA / TensorRT):
 
-    _prefill(ids)  -> logits [len(ids), vocab]   starts a new cache from the prompt
-    _decode(token) -> logits [vocab]             appends one token to the cache
+    steps.prefill(ids [B, T], mask [B, T])      -> logits [B, T, vocab]   starts the cache from the prompts
+    steps.decode(tokens [B], mask [B, P + 1])   -> logits [B, vocab]      appends one token to every row
 
-Sessions generate for one sequence at a time (batch 1): no padding, so the attention mask is all ones.
+Batches: prompts of different lengths are padded on the left (id 0, mask 0). The graph masks padded keys
+and derives each token's position from the mask, so a row computes what its prompt alone would. Every
+request draws from its own generator, seeded with its own `seed`, and stops on its own (its stop ids, its
+`max_new_tokens`): a batched call gives each prompt the tokens it gets alone.
+
+Threads: one Session may serve many threads at once. A call keeps everything it changes (cache, mask,
+generators) in itself, never in the session. A backend whose state cannot be per call (TensorRT: one
+execution context, one set of device buffers and one captured CUDA graph per session) derives from
+`SerialSession`, which runs one call at a time under a lock, one sequence at a time.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
+import dataclasses
+import threading
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, ContextManager
 
 import numpy as np
 
 from ..config import ModelConfig
 from ..errors import AndreaExportError
-from ..kvcache import KVLayout
+from ..graphs import KVLayout
+
+if TYPE_CHECKING:
+    from .sampling import Sampling
+
+PAD_ID = 0  # what padded positions hold; masked out, so any valid id would do
 
 
 class InputError(AndreaExportError):
@@ -29,7 +47,10 @@ class InputError(AndreaExportError):
 
 def check_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     """`ids` as a list of ints; InputError if empty, not integers, or outside [0, vocab_size)."""
-    arr = np.asarray(ids)
+    try:
+        arr = np.asarray(ids)
+    except ValueError:  # ragged nesting
+        raise InputError(f"{what} must be a flat sequence of token ids") from None
     if arr.ndim != 1:
         raise InputError(f"{what} must be a flat sequence of token ids, got an array of shape {list(arr.shape)}")
     if arr.size == 0:
@@ -46,10 +67,51 @@ def check_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
     return [int(x) for x in arr]
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One prompt to continue, with its own settings: the arguments `generate` takes for one prompt."""
+
+    prompt_ids: Sequence[int]
+    max_new_tokens: int
+    strategy: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 0.9
+    seed: int | None = None
+    stop_ids: Sequence[int] = ()
+
+
+@dataclasses.dataclass
+class _Row:
+    """A checked request, as the loop runs it."""
+
+    prompt: list[int]
+    max_new_tokens: int
+    sampling: Sampling
+    rng: np.random.Generator
+    stops: frozenset[int]
+
+
+class Steps(abc.ABC):
+    """The KV cache of one call's batch (see the module docstring). Used by that call only."""
+
+    @abc.abstractmethod
+    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """ids, mask int64 [B, T] -> logits float32 [B, T, vocab] on the host; the cache now holds the rows."""
+
+    @abc.abstractmethod
+    def decode(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """tokens int64 [B], mask int64 [B, P + 1] -> logits float32 [B, vocab]; appends the tokens."""
+
+
 class Session(abc.ABC):
-    """A loaded decoder. `forward(ids)` -> logits; `generate(prompt, ...)` -> new token ids."""
+    """A loaded decoder. `forward(ids)` -> logits; `generate(prompt or prompts, ...)` -> new token ids.
+
+    Thread safety: every public method may be called from several threads at once on one session (see the
+    backend's docstring for whether such calls run in parallel or one after another)."""
 
     backend: str = "?"
+    max_batch: int | None = None  # rows one step may hold; None: as many as a call brings
 
     def __init__(self, cfg: ModelConfig, layout: KVLayout, source: str):
         self.cfg = cfg
@@ -68,37 +130,54 @@ class Session(abc.ABC):
     def close(self) -> None:
         """Release device memory and handles (ONNX Runtime frees on garbage collection; TensorRT frees here)."""
 
-    # -- backend steps -----------------------------------------------------------------------------------
     @abc.abstractmethod
-    def _prefill(self, ids: list[int]) -> np.ndarray:
-        """Start a new cache with `ids`; logits [len(ids), vocab] float32 on the host."""
-
-    @abc.abstractmethod
-    def _decode(self, token: int) -> np.ndarray:
-        """Append `token` to the cache; logits [vocab] float32 on the host."""
+    def _steps(self) -> ContextManager[Steps]:
+        """A fresh cache for one call (held for the whole call)."""
 
     # -- public API --------------------------------------------------------------------------------------
     def forward(self, ids: Sequence[int]) -> np.ndarray:
-        """Logits [len(ids), vocab] (float32) for a sequence: one prefill. Leaves the cache holding `ids`."""
+        """Logits [len(ids), vocab] (float32) for a sequence: one prefill."""
         ids = check_ids(ids, self.cfg.vocab_size, "input")
         if len(ids) > self.cfg.n_positions:
             raise InputError(f"input ({len(ids)} tokens) exceeds the model's context of {self.cfg.n_positions} tokens")
-        return self._prefill(ids)
+        row = np.asarray([ids], dtype=np.int64)
+        with self._steps() as steps:
+            return steps.prefill(row, np.ones_like(row))[0]
 
     def generate(
         self,
-        prompt_ids: Sequence[int],
-        max_new_tokens: int,
+        prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int | Sequence[int],
         strategy: str = "greedy",
         temperature: float = 1.0,
         top_k: int = 50,
         top_p: float = 0.9,
-        seed: int | None = None,
+        seed: int | None | Sequence[int | None] = None,
         stop_ids: Sequence[int] = (),
-    ) -> list[int]:
+    ) -> list[int] | list[list[int]]:
         """The new token ids (the prompt not repeated). Stops after `max_new_tokens` or at the first id in
-        `stop_ids`, which is included as the last element. `seed` makes top-k / top-p sampling repeatable."""
-        return [tok for tok, _ in self.stream(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)]
+        `stop_ids`, which is included as the last element. `seed` makes top-k / top-p sampling repeatable.
+
+        `prompt_ids` may also be a list of prompts (of any lengths): they run as one batch and the result
+        is a list, one list of new ids per prompt. Then `max_new_tokens` and `seed` may be lists too (one per
+        prompt); one `seed` seeds every prompt's own generator, so each prompt gets the tokens it gets alone.
+        For settings that differ in other ways, see `generate_batch`."""
+        if not _is_batch(prompt_ids):
+            row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids))
+            return self._generate([row])[0]
+        n = len(prompt_ids)
+        lengths, seeds = _per_prompt(max_new_tokens, n, "max_new_tokens"), _per_prompt(seed, n, "seed")
+        return self.generate_batch([Request(p, m, strategy, temperature, top_k, top_p, s, stop_ids)
+                                    for p, m, s in zip(prompt_ids, lengths, seeds)])
+
+    def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
+        """The new ids of every request, in order. Requests run together in batches (as many as the backend
+        steps at once and the context allows: longest prompt + most new tokens <= n_positions); each keeps
+        its own sampling, seed, stop ids and length. Every request is checked before anything runs."""
+        if not len(requests):
+            raise InputError("no requests: give at least one prompt")
+        rows = [self._check(r, f"request {i}") for i, r in enumerate(requests)]
+        return [tokens for chunk in self._chunks(rows) for tokens in self._generate(chunk)]
 
     def stream(
         self,
@@ -111,29 +190,140 @@ class Session(abc.ABC):
         seed: int | None = None,
         stop_ids: Sequence[int] = (),
     ) -> Iterator[tuple[int, np.ndarray]]:
-        """Like `generate`, one (token, logits it was chosen from) at a time. All input is checked before the
-        first step runs."""
-        from .sampling import Sampling, next_token
+        """Like `generate` for one prompt, one (token, logits it was chosen from) at a time. All input is
+        checked before the first step runs. The call holds its cache (on a SerialSession: the session)
+        until the iterator is exhausted or closed."""
+        row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids))
+        return (events[0] for events in self._loop([row]))
 
-        cfg = self.cfg
-        prompt = check_ids(prompt_ids, cfg.vocab_size, "prompt")
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-            raise InputError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        if len(prompt) + max_new_tokens > cfg.n_positions:
-            raise InputError(
-                f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) = {len(prompt) + max_new_tokens} "
-                f"exceeds the model's context of {cfg.n_positions} tokens"
-            )
-        sampling = Sampling(strategy, temperature, top_k, top_p).check(cfg.vocab_size)
-        stops = set(check_ids(list(stop_ids), cfg.vocab_size, "stop_ids")) if len(stop_ids) else set()
-        rng = np.random.default_rng(seed)
-        return self._loop(prompt, max_new_tokens, sampling, rng, stops, next_token)
+    # -- the loop ----------------------------------------------------------------------------------------
+    def _check(self, r: Request, where: str | None = None) -> _Row:
+        """The request checked (InputError naming `where`, if given), with its generator."""
+        from .sampling import Sampling
 
-    def _loop(self, prompt, max_new_tokens, sampling, rng, stops, next_token):
-        logits = self._prefill(prompt)[-1]
-        for i in range(max_new_tokens):
-            tok = next_token(logits, sampling, rng)
-            yield tok, logits
-            if tok in stops or i == max_new_tokens - 1:
-                return
-            logits = self._decode(tok)
+        try:
+            cfg = self.cfg
+            prompt = check_ids(r.prompt_ids, cfg.vocab_size, "prompt")
+            n = r.max_new_tokens
+            if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+                raise InputError(f"max_new_tokens must be a positive integer, got {n!r}")
+            if len(prompt) + n > cfg.n_positions:
+                raise InputError(
+                    f"prompt ({len(prompt)} tokens) + max_new_tokens ({n}) = {len(prompt) + n} "
+                    f"exceeds the model's context of {cfg.n_positions} tokens"
+                )
+            sampling = Sampling(r.strategy, r.temperature, r.top_k, r.top_p).check(cfg.vocab_size)
+            stops = check_ids(list(r.stop_ids), cfg.vocab_size, "stop_ids") if len(r.stop_ids) else []
+        except InputError as e:
+            if where is None:
+                raise
+            raise InputError(f"{where}: {e}") from None
+        return _Row(prompt, int(n), sampling, np.random.default_rng(r.seed), frozenset(stops))
+
+    def _chunks(self, rows: list[_Row]) -> Iterator[list[_Row]]:
+        """Consecutive rows, grouped as one step can hold them: at most max_batch rows, and the longest
+        prompt plus the most new tokens within the context (a padded row's cache is as long as the longest)."""
+        limit, context = self.max_batch or len(rows), self.cfg.n_positions
+        chunk: list[_Row] = []
+        for row in rows:
+            fits = (len(chunk) < limit and max(len(r.prompt) for r in chunk + [row])
+                    + max(r.max_new_tokens for r in chunk + [row]) <= context)
+            if chunk and not fits:
+                yield chunk
+                chunk = []
+            chunk.append(row)
+        if chunk:
+            yield chunk
+
+    def _generate(self, rows: list[_Row]) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in rows]
+        for events in self._loop(rows):
+            for tokens, event in zip(out, events):
+                if event is not None:
+                    tokens.append(event[0])
+        return out
+
+    def _loop(self, rows: list[_Row]) -> Iterator[list[tuple[int, np.ndarray] | None]]:
+        """Per step, for every row: (token, the logits it was chosen from), or None once the row has stopped."""
+        from .sampling import next_token
+
+        width = max(len(r.prompt) for r in rows)
+        ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for i, r in enumerate(rows):  # left padding: every row's last token is in the last column
+            ids[i, width - len(r.prompt):] = r.prompt
+            mask[i, width - len(r.prompt):] = 1
+        done = [False] * len(rows)
+        with self._steps() as steps:
+            logits = steps.prefill(ids, mask)[:, -1]
+            for step in range(max(r.max_new_tokens for r in rows)):
+                tokens = np.full(len(rows), PAD_ID, dtype=np.int64)  # a stopped row's input, never read back
+                events: list[tuple[int, np.ndarray] | None] = [None] * len(rows)
+                for i, r in enumerate(rows):
+                    if done[i]:
+                        continue
+                    tok = next_token(logits[i], r.sampling, r.rng)
+                    events[i], tokens[i] = (tok, logits[i]), tok
+                    done[i] = tok in r.stops or step == r.max_new_tokens - 1
+                yield events
+                if all(done):
+                    return
+                mask = np.concatenate([mask, np.ones((len(rows), 1), dtype=np.int64)], axis=1)
+                logits = steps.decode(tokens, mask)
+
+
+class SerialSession(Session):
+    """A backend whose cache lives in the session itself (one set of device buffers, one execution context,
+    a captured CUDA graph): calls run one at a time under a lock, and a batch runs one sequence after
+    another (batch 1: no padding). Threads may share it; they take turns, one request at a time.
+
+    Subclasses implement two steps over that one cache:
+        _prefill(ids) -> logits [len(ids), vocab]   starts the cache from `ids` (a list of ints)
+        _decode(token) -> logits [vocab]            appends `token` (an int)
+    """
+
+    max_batch = 1
+
+    def __init__(self, cfg: ModelConfig, layout: KVLayout, source: str):
+        super().__init__(cfg, layout, source)
+        self._lock = threading.Lock()
+
+    @abc.abstractmethod
+    def _prefill(self, ids: list[int]) -> np.ndarray:
+        """Start the cache with `ids`; logits [len(ids), vocab] float32 on the host."""
+
+    @abc.abstractmethod
+    def _decode(self, token: int) -> np.ndarray:
+        """Append `token` to the cache; logits [vocab] float32 on the host."""
+
+    @contextlib.contextmanager
+    def _steps(self) -> Iterator[Steps]:
+        with self._lock:
+            yield _SessionSteps(self)
+
+
+class _SessionSteps(Steps):
+    def __init__(self, session: SerialSession):
+        self.session = session
+
+    def prefill(self, ids, mask):
+        assert ids.shape[0] == 1 and mask.all(), "a SerialSession steps one unpadded sequence"
+        return self.session._prefill(ids[0].tolist())[None]
+
+    def decode(self, tokens, mask):
+        return self.session._decode(int(tokens[0]))[None]
+
+
+def _is_batch(prompt_ids) -> bool:
+    """A list of prompts (rather than one prompt): its first element is itself a sequence."""
+    return isinstance(prompt_ids, (list, tuple, np.ndarray)) and len(prompt_ids) > 0 and isinstance(
+        prompt_ids[0], (list, tuple, np.ndarray))
+
+
+def _per_prompt(value, n: int, name: str) -> list:
+    """`value` for each of n prompts: a list of n values as it is, anything else repeated."""
+    if isinstance(value, (list, tuple, np.ndarray)):
+        if len(value) != n:
+            raise InputError(f"{name}: {len(value)} values for {n} prompts (give one, or one per prompt)")
+        return list(value)
+    return [value] * n

@@ -3,18 +3,26 @@
 Each step binds the previous step's `present.*` OrtValues as this step's `past_key_values.*` inputs, and
 asks ONNX Runtime to allocate the new `present.*` on the execution device: the cache never leaves the
 device between steps (host memory with the CPU provider, GPU memory with the CUDA provider). Only the
-token ids go in and the logits come out through host memory.
+token ids and the mask go in and the logits come out through host memory.
+
+Threads: one OrtSession serves many threads in parallel. Every call keeps its own cache (`_OrtSteps`) and
+binds a fresh IOBinding per step; ONNX Runtime guarantees that `InferenceSession::Run` may be called from
+several threads at once on one session (the Python `run_with_iobinding` releases the GIL while it runs),
+as long as no two runs share a binding or its buffers. (ONNX Runtime's own CUDA graphs would break this;
+they are not enabled here.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..kvcache import ATTENTION_MASK, INPUT_IDS, LOGITS, KVLayout
-from .base import Session
+from ..graphs import KVLayout
+from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
+from .base import Session, Steps
 
 
 def _providers(requested: list[str] | None) -> list[str]:
@@ -48,43 +56,41 @@ class OrtSession(Session):
         self.session = ort.InferenceSession(str(onnx_path), opts, providers=_providers(providers))
         on_gpu = self.session.get_providers()[0] == "CUDAExecutionProvider"
         self.device = ("cuda", 0) if on_gpu else ("cpu", 0)
-        self._past: list = []  # OrtValues, layout.past_names order
-        self._len = 0  # tokens in the cache
 
-    def _empty_past(self) -> list:
+    def _steps(self):
+        return contextlib.nullcontext(_OrtSteps(self))
+
+
+class _OrtSteps(Steps):
+    """One call's cache: the `present.*` OrtValues of its last step, where ONNX Runtime allocated them."""
+
+    def __init__(self, owner: OrtSession):
+        self.session, self.layout, self.device = owner.session, owner.layout, owner.device
+        self.past: list = []  # OrtValues, layout.past_names order
+
+    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
         import onnxruntime as ort
 
-        shape = [1, self.layout.n_head, 0, self.layout.head_dim]
+        shape = [ids.shape[0], self.layout.n_head, 0, self.layout.head_dim]
         dtype = np.dtype(self.layout.cache_dtype)
-        return [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, *self.device) for _ in self.layout.past_names]
+        self.past = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, *self.device) for _ in self.layout.past_names]
+        return self._run(ids, mask)
 
-    def _run(self, ids: list[int]) -> np.ndarray:
-        """One step with `ids` as new tokens after the cache; updates the cache, returns logits [T, vocab]."""
-        layout = self.layout
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(INPUT_IDS, np.asarray([ids], dtype=np.int64))
-        binding.bind_cpu_input(ATTENTION_MASK, np.ones((1, self._len + len(ids)), dtype=np.int64))
-        for name, value in zip(layout.past_names, self._past):
+    def decode(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return self._run(tokens[:, None], mask)[:, -1]
+
+    def _run(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """One step: `ids` [B, T] after the cache, `mask` [B, P + T]; updates the cache, returns logits [B, T, vocab]."""
+        ids, mask = np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=np.int64)
+        binding = self.session.io_binding()  # this step's own: bindings are never shared between runs
+        binding.bind_cpu_input(INPUT_IDS, ids)
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        for name, value in zip(self.layout.past_names, self.past):
             binding.bind_ortvalue_input(name, value)
         binding.bind_output(LOGITS, "cpu")
-        for name in layout.present_names:
+        for name in self.layout.present_names:
             binding.bind_output(name, *self.device)  # allocated by ORT on the device, kept for the next step
         self.session.run_with_iobinding(binding)
         outputs = binding.get_outputs()
-        self._past = outputs[1:]
-        self._len += len(ids)
-        return outputs[0].numpy()[0]
-
-    def _prefill(self, ids: list[int]) -> np.ndarray:
-        self._past, self._len = self._empty_past(), 0
-        return self._run(ids)
-
-    def _decode(self, token: int) -> np.ndarray:
-        return self._run([token])[-1]
-
-    @property
-    def cache_length(self) -> int:
-        return self._len
-
-    def close(self) -> None:
-        self._past, self._len = [], 0
+        self.past = outputs[1:]
+        return outputs[0].numpy()

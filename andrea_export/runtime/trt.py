@@ -8,6 +8,11 @@ allow (batch 1: n_positions tokens); no step allocates. TensorRT writes straight
 
 One execution context per profile, each keeping its own profile selected.
 
+Threads: a TrtSession keeps its one cache in the session (the buffers above, the execution contexts, the
+captured CUDA graph, all on one stream), so it is a `SerialSession`: calls from several threads take turns
+under a lock, one sequence at a time (a batch of prompts runs one prompt after another). For parallel
+requests on one GPU, load one session per worker.
+
 Decode has two modes:
 
 - `cuda_graph=False`: the cache grows by one each step. Two sets of cache buffers, A and B, alternate:
@@ -40,8 +45,9 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import AndreaExportError, MissingDependency, require
-from ..kvcache import ATTENTION_MASK, DECODE, INPUT_IDS, LOGITS, PREFILL, KVLayout
-from .base import InputError, Session
+from ..graphs import KVLayout
+from ..names import ATTENTION_MASK, DECODE, INPUT_IDS, LOGITS, PREFILL
+from .base import InputError, SerialSession
 
 
 def _tensorrt():
@@ -92,7 +98,7 @@ def _ok(cudart, result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-class TrtSession(Session):
+class TrtSession(SerialSession):
     backend = "tensorrt"
 
     def __init__(self, engine_path: str | Path, cfg: ModelConfig, layout: KVLayout, *, cuda_graph: bool = True):

@@ -4,6 +4,7 @@ anything runs."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 
 import numpy as np
@@ -53,17 +54,24 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session):
 
         def __init__(self):
             super().__init__(session.cfg, session.layout, "nudged")
-            self.step = 0
 
-        def _prefill(self, ids):
-            self.step = 0
-            return session._prefill(ids)
+        @contextlib.contextmanager
+        def _steps(self):
+            with session._steps() as steps:
+                yield NudgedSteps(steps)
 
-        def _decode(self, token):
+    class NudgedSteps(runtime.Steps):
+        def __init__(self, steps):
+            self.steps, self.step = steps, 0
+
+        def prefill(self, ids, mask):
+            return self.steps.prefill(ids, mask)
+
+        def decode(self, tokens, mask):
             self.step += 1
-            logits = session._decode(token).copy()
+            logits = self.steps.decode(tokens, mask).copy()
             if self.step == 3:
-                logits[42] = logits.max() + 0.5
+                logits[:, 42] = logits.max() + 0.5
             return logits
 
     report = greedy_agreement(lively_model, Nudged(), PROMPT, n_tokens=8)
@@ -81,13 +89,13 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session):
 
 
 def test_cache_stays_on_the_device_between_steps(session):
-    session.forward([1, 2, 3])
-    assert session.cache_length == 3
-    first = session._past
-    assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in first)
-    assert first[0].shape() == [1, 4, 3, 16]
-    session._decode(4)
-    assert session.cache_length == 4 and session._past[0].shape() == [1, 4, 4, 16]
+    with session._steps() as steps:  # one call's own cache
+        steps.prefill(np.array([[0, 1, 2, 3]]), np.array([[0, 1, 1, 1]]))  # one padded slot
+        first = steps.past
+        assert all(isinstance(v, ort.OrtValue) and v.device_name() == "cpu" for v in first)
+        assert first[0].shape() == [1, 4, 4, 16]
+        steps.decode(np.array([4]), np.array([[0, 1, 1, 1, 1]]))
+        assert steps.past[0].shape() == [1, 4, 5, 16]
 
 
 def test_sampling_is_seeded_and_stops(session):
@@ -110,7 +118,11 @@ def test_sampling_is_seeded_and_stops(session):
         ([1, 8449], {}, "prompt token id 8449 at position 1 is outside the vocabulary [0, 8449)"),
         ([-1, 5, 9000], {}, "prompt token id -1 at position 0 is outside the vocabulary [0, 8449) (2 such ids)"),
         ([1.5], {}, "prompt must hold integer token ids, got float64"),
-        ([[1, 2]], {}, "prompt must be a flat sequence of token ids, got an array of shape [1, 2]"),
+        ([[[1, 2]]], {}, "request 0: prompt must be a flat sequence of token ids, got an array of shape [1, 2]"),
+        ([[1, 2], []], {}, "request 1: prompt is empty: give at least one token id"),
+        ([[1], [2]], {"seed": [1, 2, 3]}, "seed: 3 values for 2 prompts (give one, or one per prompt)"),
+        ([[1], list(range(100))], {"max_new_tokens": [4, 29]},
+         "request 1: prompt (100 tokens) + max_new_tokens (29) = 129 exceeds the model's context of 128 tokens"),
         (list(range(100)), {"max_new_tokens": 29},
          "prompt (100 tokens) + max_new_tokens (29) = 129 exceeds the model's context of 128 tokens"),
         ([1], {"max_new_tokens": 0}, "max_new_tokens must be a positive integer, got 0"),

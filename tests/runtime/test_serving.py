@@ -34,3 +34,67 @@ def test_threads_sharing_a_session_get_the_sequential_tokens(session):
         shared = list(pool.map(lambda r: session.generate(**r), requests))
     mixed_up = [i for i, (a, b) in enumerate(zip(alone, shared)) if a != b]
     assert not mixed_up, f"{len(mixed_up)} of {len(requests)} requests differ from the sequential run"
+
+
+def test_a_batch_gives_each_prompt_the_tokens_it_gets_alone(session):
+    from andrea_export.runtime import Request
+
+    requests = _requests(9, seed=1)
+    requests[2]["max_new_tokens"] = 1  # a row that stops at once, beside rows that go on
+    alone = [session.generate(**r) for r in requests]
+    stop = alone[4][3]
+    requests[4]["stop_ids"], alone[4] = [stop], alone[4][: alone[4].index(stop) + 1]  # a row that stops early
+    assert session.generate_batch([Request(**r) for r in requests]) == alone
+
+
+def test_generate_takes_a_list_of_prompts(session):
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42]]
+    alone = [session.generate(p, [9, 3, 12][i], strategy="top-p", top_p=0.8, seed=7) for i, p in enumerate(prompts)]
+    assert session.generate(prompts, [9, 3, 12], strategy="top-p", top_p=0.8, seed=7) == alone
+    greedy = session.generate(prompts, 10)
+    assert greedy == [session.generate(p, 10) for p in prompts] and len({tuple(g) for g in greedy}) == 3
+    seeds = [1, 2, 3]
+    assert session.generate(prompts, 6, strategy="top-k", seed=seeds) == [
+        session.generate(p, 6, strategy="top-k", seed=s) for p, s in zip(prompts, seeds)]
+
+
+NO_TORCH = r"""
+import sys
+
+class NoTorch:  # as if torch were not installed: a service's environment
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "torch":
+            raise ModuleNotFoundError("No module named 'torch' (blocked by the test)")
+
+sys.meta_path.insert(0, NoTorch())
+from andrea_export import runtime
+
+sess = runtime.load(sys.argv[1])
+print(sess.generate([1, 2, 3], 5, strategy="top-k", seed=0))
+print(sess.generate([[1, 2, 3], [4]], 3))
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "andrea_export"))
+print(" ".join(loaded))
+"""
+
+
+def test_loading_and_generating_import_no_torch(build_dir, session):
+    """A service runs the runtime where torch is not installed: loading a folder and generating must not
+    import it, nor the export and build machinery."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import andrea_export
+
+    root = str(Path(andrea_export.__file__).parents[1])
+    env = {**__import__("os").environ, "PYTHONPATH": root}
+    run = subprocess.run([sys.executable, "-c", NO_TORCH, str(build_dir)], capture_output=True, text=True, env=env,
+                         cwd=root, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    single, batch, modules = run.stdout.strip().splitlines()
+    assert single == str(session.generate([1, 2, 3], 5, strategy="top-k", seed=0))
+    assert batch == str(session.generate([[1, 2, 3], [4]], 3))
+    modules = modules.split()
+    assert not [m for m in modules if m.split(".")[0] == "torch"]
+    assert not {"andrea_export.build", "andrea_export.export", "andrea_export.kvcache", "andrea_export.model",
+                "andrea_export.progress"} & set(modules), modules
