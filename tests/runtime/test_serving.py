@@ -98,3 +98,35 @@ def test_loading_and_generating_import_no_torch(build_dir, session):
     assert not [m for m in modules if m.split(".")[0] == "torch"]
     assert not {"andrea_export.build", "andrea_export.export", "andrea_export.kvcache", "andrea_export.model",
                 "andrea_export.progress"} & set(modules), modules
+
+
+def test_a_serial_session_takes_turns(session):
+    """A backend with one cache in the session (as TensorRT's buffers, contexts and CUDA graph are): the
+    lock of SerialSession makes threads take turns, and a batch runs prompt by prompt."""
+    import numpy as np
+
+    from andrea_export import runtime
+    from andrea_export.runtime.ort import _OrtSteps
+
+    class OneCache(runtime.SerialSession):
+        backend = "one-cache"
+
+        def __init__(self):
+            super().__init__(session.cfg, session.layout, "one cache")
+            self.cache, self.length = _OrtSteps(session), 0
+
+        def _prefill(self, ids):
+            self.length = len(ids)
+            return self.cache.prefill(np.array([ids]), np.ones((1, len(ids)), dtype=np.int64))[0]
+
+        def _decode(self, token):
+            self.length += 1
+            return self.cache.decode(np.array([token]), np.ones((1, self.length), dtype=np.int64))[0]
+
+    serial, requests = OneCache(), _requests(16, seed=2)
+    alone = [session.generate(**r) for r in requests]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda r: serial.generate(**r), requests)) == alone
+    from andrea_export.runtime import Request
+
+    assert serial.generate_batch([Request(**r) for r in requests[:5]]) == alone[:5]
