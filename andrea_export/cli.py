@@ -64,7 +64,7 @@ def main():
       andrea-export build --checkpoint w.safetensors --precision fp16 --out out/fp16
       andrea-export inspect out/fp16                        # what is in it, does it still match its sha256
       andrea-export verify out/fp16                         # again, here (on a GPU host: the engines too)
-      andrea-export generate out/fp16 --prompt-ids 1,2,3    # KV-cache decoding
+      andrea-export generate out/fp16 --prompt-ids 1,2,3    # KV-cache decoding (repeat for a batch)
       andrea-export package out/fp16 --triton models/       # a Triton model repository
       andrea-export bench --quick                           # latency vs PyTorch and the machine's limits
     \b
@@ -280,8 +280,9 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 
 @main.command()
 @click.argument("build", type=click.Path(exists=True, path_type=Path))
-@click.option("--prompt-ids", help="Prompt token ids, comma- or space-separated, e.g. '464,3290,318'.")
-@click.option("--prompt", "prompt_text", help="Text prompt (needs --tokenizer).")
+@click.option("--prompt-ids", multiple=True,
+              help="Prompt token ids, comma- or space-separated, e.g. '464,3290,318'. Repeat for several prompts.")
+@click.option("--prompt", "prompt_text", multiple=True, help="Text prompt (needs --tokenizer). Repeatable.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A tokenizer.json (Hugging Face `tokenizers`; the 'text' extra): encodes --prompt, decodes the output.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
@@ -289,7 +290,8 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=50, show_default=True)
 @click.option("--top-p", type=float, default=0.9, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for top-k/top-p sampling (reproducible output).")
+@click.option("--seed", type=int, default=None,
+              help="Seed for top-k/top-p sampling (reproducible output); each prompt gets the tokens it gets alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
               help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime.")
@@ -298,31 +300,35 @@ def generate(build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy
              stop_ids, backend):
     """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
 
-    Prints the new token ids (and the text, with --tokenizer). The cache stays on the device between
-    steps; prompts that do not fit the context, empty prompts and ids outside the vocabulary are
-    refused before anything runs.
+    Prints the new token ids of each prompt on a line of its own, in order (and the text, with
+    --tokenizer). Several prompts run as one batch. The cache stays on the device between steps; prompts
+    that do not fit the context, empty prompts and ids outside the vocabulary are refused before anything
+    runs.
     """
     from . import runtime
     from .errors import require
 
     tok = require("tokenizers", "text", "--tokenizer").Tokenizer.from_file(str(tokenizer)) if tokenizer else None
-    if (prompt_ids is None) == (prompt_text is None):
-        raise click.UsageError("give exactly one of --prompt-ids or --prompt")
-    if prompt_text is not None:
+    if bool(prompt_ids) == bool(prompt_text):
+        raise click.UsageError("give --prompt-ids or --prompt (either one, repeatable), not both")
+    if prompt_text:
         if tok is None:
             raise click.UsageError("--prompt needs --tokenizer")
-        ids = tok.encode(prompt_text).ids
+        prompts = [tok.encode(text).ids for text in prompt_text]
     else:
-        try:
-            ids = [int(x) for x in prompt_ids.replace(",", " ").split()]
-        except ValueError:
-            raise click.BadParameter(f"not a list of integers: {prompt_ids!r}", param_hint="--prompt-ids") from None
+        prompts = []
+        for text in prompt_ids:
+            try:
+                prompts.append([int(x) for x in text.replace(",", " ").split()])
+            except ValueError:
+                raise click.BadParameter(f"not a list of integers: {text!r}", param_hint="--prompt-ids") from None
     with runtime.load(build, backend=backend) as sess:
-        new = sess.generate(ids, max_new_tokens, strategy=strategy, temperature=temperature, top_k=top_k,
-                            top_p=top_p, seed=seed, stop_ids=stop_ids)
-    click.echo(" ".join(map(str, new)))
-    if tok is not None:
-        click.echo(tok.decode(new))
+        news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)
+                                    for p in prompts])
+    for new in news:
+        click.echo(" ".join(map(str, new)))
+        if tok is not None:
+            click.echo(tok.decode(new))
 
 
 @main.command()

@@ -36,3 +36,20 @@ def test_bad_input_is_one_line_and_exit_1(tmp_path):
 def test_bad_shapes_option(tmp_path):
     result = CliRunner().invoke(main, ["verify", "x.onnx", "--shapes", "1by2"])
     assert result.exit_code == 2 and "expected BATCHxSEQ" in result.output
+
+
+def test_generate_several_prompts(lively_decoder):
+    from andrea_export import runtime
+
+    folder, prompts = lively_decoder.parent, ["5,6,7,8,9", "300", "1 2 3"]
+    args = ["generate", str(folder), "-n", "6", "--strategy", "top-k", "--seed", "4"]
+    result = CliRunner().invoke(main, args + [a for p in prompts for a in ("--prompt-ids", p)])
+    assert result.exit_code == 0, result.output
+    sess = runtime.load(folder)
+    alone = [sess.generate([int(x) for x in p.replace(",", " ").split()], 6, strategy="top-k", seed=4) for p in prompts]
+    assert result.output.splitlines() == [" ".join(map(str, a)) for a in alone]
+    result = CliRunner().invoke(main, ["generate", str(folder), "--prompt-ids", "1", "--prompt-ids", "2,x"])
+    assert result.exit_code == 2 and "not a list of integers: '2,x'" in result.output
+    result = CliRunner().invoke(main, ["generate", str(folder), "--prompt-ids", "1", "--prompt-ids", "8449"])
+    assert result.exit_code == 1
+    assert "error: request 1: prompt token id 8449 at position 0 is outside the vocabulary [0, 8449)" in result.output

@@ -176,7 +176,7 @@ class Session(abc.ABC):
         its own sampling, seed, stop ids and length. Every request is checked before anything runs."""
         if not len(requests):
             raise InputError("no requests: give at least one prompt")
-        rows = [self._check(r, f"request {i}") for i, r in enumerate(requests)]
+        rows = [self._check(r, f"request {i}" if len(requests) > 1 else None) for i, r in enumerate(requests)]
         return [tokens for chunk in self._chunks(rows) for tokens in self._generate(chunk)]
 
     def stream(

@@ -118,7 +118,7 @@ def test_sampling_is_seeded_and_stops(session):
         ([1, 8449], {}, "prompt token id 8449 at position 1 is outside the vocabulary [0, 8449)"),
         ([-1, 5, 9000], {}, "prompt token id -1 at position 0 is outside the vocabulary [0, 8449) (2 such ids)"),
         ([1.5], {}, "prompt must hold integer token ids, got float64"),
-        ([[[1, 2]]], {}, "request 0: prompt must be a flat sequence of token ids, got an array of shape [1, 2]"),
+        ([[[1, 2]]], {}, "prompt must be a flat sequence of token ids, got an array of shape [1, 2]"),
         ([[1, 2], []], {}, "request 1: prompt is empty: give at least one token id"),
         ([[1], [2]], {"seed": [1, 2, 3]}, "seed: 3 values for 2 prompts (give one, or one per prompt)"),
         ([[1], list(range(100))], {"max_new_tokens": [4, 29]},
