@@ -722,69 +722,22 @@ class OrtBackend(Backend):
         return self._bound(sess, feeds)
 
     def generate(self, prompt, new_tokens):
-        sess = self.session("decode")
-        if prompt.shape[0] == 1:
-            rs = self._runtime_session(sess)
-            if rs is not None:  # the product's own loop (batch 1), on this harness's session and threads
-                ids = prompt[0].tolist()
-                return lambda: rs.generate(ids, new_tokens)
-        gen = ort_greedy_loop(sess, kv_layout_of(self.ctx.cfg), new_tokens, "cuda" if self.cuda else "cpu")
-        return lambda: gen(prompt)
+        """Greedy, through the product's own loop (runtime.OrtSession: one batched call for all rows) on this
+        harness's session and threads."""
+        rs, prompts = self._runtime_session(self.session("decode")), prompt.tolist()
+        return lambda: rs.generate(prompts, new_tokens)
 
     def _runtime_session(self, sess):
-        """andrea_export.runtime's OrtSession wrapped around our session (same file, same options), or None."""
+        """andrea_export.runtime's OrtSession wrapped around our session (same file, same options)."""
         if not hasattr(self, "_rs"):
-            try:
-                from .kvcache import kv_layout
-                from .runtime.ort import OrtSession
-            except ImportError:
-                self._rs = None
-            else:
-                # the runtime loads the graph with its own options; swap in ours (threads, no spinning)
-                rs = OrtSession(self.ctx.decoder_onnx(), self.ctx.cfg, kv_layout(self.ctx.cfg),
-                                providers=[self.provider], intra_op_threads=self.ctx.threads)  # fmt: skip
-                rs.session = sess
-                self._rs = rs
+            from .graphs import kv_layout
+            from .runtime.ort import OrtSession
+
+            # the runtime loads the graph with its own options; swap in ours (threads, no spinning)
+            self._rs = OrtSession(self.ctx.decoder_onnx(), self.ctx.cfg, kv_layout(self.ctx.cfg),
+                                  providers=[self.provider], intra_op_threads=self.ctx.threads)  # fmt: skip
+            self._rs.session = sess
         return self._rs
-
-
-def kv_layout_of(cfg: ModelConfig):
-    from .kvcache import kv_layout
-
-    return kv_layout(cfg)
-
-
-def ort_greedy_loop(sess, layout, new_tokens: int, device: str = "cpu"):
-    """Batched greedy generation on an ORT decoder session through IO binding: each step's `present.*`
-    OrtValues are bound as the next step's `past_key_values.*` (the cache stays where ORT put it)."""
-    import onnxruntime as ort
-
-    from .kvcache import ATTENTION_MASK, INPUT_IDS, LOGITS
-
-    H, D = layout.n_head, layout.head_dim
-
-    def loop(prompt: np.ndarray) -> np.ndarray:
-        B = prompt.shape[0]
-        past = [ort.OrtValue.ortvalue_from_shape_and_type([B, H, 0, D], np.float32, device, 0) for _ in layout.past_names]
-        ids, n, toks = np.ascontiguousarray(prompt, dtype=np.int64), 0, []
-        for i in range(new_tokens):
-            binding = sess.io_binding()
-            binding.bind_cpu_input(INPUT_IDS, ids)
-            binding.bind_cpu_input(ATTENTION_MASK, np.ones((B, n + ids.shape[1]), np.int64))
-            for name, v in zip(layout.past_names, past):
-                binding.bind_ortvalue_input(name, v)
-            binding.bind_output(LOGITS, "cpu")
-            for name in layout.present_names:
-                binding.bind_output(name, device, 0)
-            sess.run_with_iobinding(binding)
-            outs = binding.get_outputs()
-            n += ids.shape[1]
-            ids = outs[0].numpy()[:, -1].argmax(-1).astype(np.int64)[:, None]
-            toks.append(ids)
-            past = outs[1:]
-        return np.concatenate(toks, axis=1)
-
-    return loop
 
 
 class TrtBackend(Backend):
