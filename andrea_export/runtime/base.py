@@ -171,9 +171,10 @@ class Session(abc.ABC):
                                     for p, m, s in zip(prompt_ids, lengths, seeds)])
 
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
-        """The new ids of every request, in order. Requests run together in batches (as many as the backend
-        steps at once and the context allows: longest prompt + most new tokens <= n_positions); each keeps
-        its own sampling, seed, stop ids and length. Every request is checked before anything runs."""
+        """The new ids of every request, in order. Consecutive requests run together in batches (as many as
+        the backend steps at once and the context allows: longest prompt + most new tokens <= n_positions);
+        each keeps its own sampling, seed, stop ids and length (a row that has stopped rides along, unread,
+        until its batch ends). Every request is checked before anything runs."""
         if not len(requests):
             raise InputError("no requests: give at least one prompt")
         rows = [self._check(r, f"request {i}" if len(requests) > 1 else None) for i, r in enumerate(requests)]
@@ -226,9 +227,9 @@ class Session(abc.ABC):
         limit, context = self.max_batch or len(rows), self.cfg.n_positions
         chunk: list[_Row] = []
         for row in rows:
-            fits = (len(chunk) < limit and max(len(r.prompt) for r in chunk + [row])
-                    + max(r.max_new_tokens for r in chunk + [row]) <= context)
-            if chunk and not fits:
+            width = max([len(r.prompt) for r in chunk] + [len(row.prompt)])
+            steps = max([r.max_new_tokens for r in chunk] + [row.max_new_tokens])
+            if chunk and (len(chunk) == limit or width + steps > context):
                 yield chunk
                 chunk = []
             chunk.append(row)
@@ -287,6 +288,7 @@ class SerialSession(Session):
     def __init__(self, cfg: ModelConfig, layout: KVLayout, source: str):
         super().__init__(cfg, layout, source)
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread inside a call
 
     @abc.abstractmethod
     def _prefill(self, ids: list[int]) -> np.ndarray:
@@ -298,8 +300,15 @@ class SerialSession(Session):
 
     @contextlib.contextmanager
     def _steps(self) -> Iterator[Steps]:
+        if self._holder == threading.get_ident():  # it would wait for itself
+            raise InputError(f"{self.source}: this thread is already in a call of this session (an unfinished "
+                             f"stream?); a {self.backend} session runs one call at a time")
         with self._lock:
-            yield _SessionSteps(self)
+            self._holder = threading.get_ident()
+            try:
+                yield _SessionSteps(self)
+            finally:
+                self._holder = None
 
 
 class _SessionSteps(Steps):

@@ -3,10 +3,20 @@ loaded without PyTorch. Every check compares tokens exactly with the same reques
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import numpy as np
 import pytest
+
+import andrea_export
+from andrea_export import runtime
+from andrea_export.runtime import Request
+from andrea_export.runtime.ort import _OrtSteps
 
 STRATEGIES = [
     {"strategy": "greedy"},
@@ -36,9 +46,40 @@ def test_threads_sharing_a_session_get_the_sequential_tokens(session):
     assert not mixed_up, f"{len(mixed_up)} of {len(requests)} requests differ from the sequential run"
 
 
-def test_a_batch_gives_each_prompt_the_tokens_it_gets_alone(session):
-    from andrea_export.runtime import Request
+def test_a_serial_session_takes_turns(session):
+    """A backend with one cache in the session (as TensorRT's buffers, contexts and CUDA graph are): the
+    lock of SerialSession makes threads take turns, and a batch runs prompt by prompt."""
 
+    class OneCache(runtime.SerialSession):
+        backend = "one-cache"
+
+        def __init__(self):
+            super().__init__(session.cfg, session.layout, "one cache")
+            self.cache, self.length = _OrtSteps(session), 0
+
+        def _prefill(self, ids):
+            self.length = len(ids)
+            return self.cache.prefill(np.array([ids]), np.ones((1, len(ids)), dtype=np.int64))[0]
+
+        def _decode(self, token):
+            self.length += 1
+            return self.cache.decode(np.array([token]), np.ones((1, self.length), dtype=np.int64))[0]
+
+    serial, requests = OneCache(), _requests(16, seed=2)
+    alone = [session.generate(**r) for r in requests]
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(lambda r: serial.generate(**r), requests)) == alone
+    assert serial.generate_batch([Request(**r) for r in requests[:5]]) == alone[:5]
+
+    stream = serial.stream([1, 2, 3], 4)
+    next(stream)  # the stream holds the session: a call from the same thread would wait for itself
+    with pytest.raises(runtime.InputError, match="this thread is already in a call of this session"):
+        serial.generate([1], 1)
+    stream.close()
+    assert serial.generate(**requests[0]) == alone[0]
+
+
+def test_a_batch_gives_each_prompt_the_tokens_it_gets_alone(session):
     requests = _requests(9, seed=1)
     requests[2]["max_new_tokens"] = 1  # a row that stops at once, beside rows that go on
     alone = [session.generate(**r) for r in requests]
@@ -56,6 +97,14 @@ def test_generate_takes_a_list_of_prompts(session):
     seeds = [1, 2, 3]
     assert session.generate(prompts, 6, strategy="top-k", seed=seeds) == [
         session.generate(p, 6, strategy="top-k", seed=s) for p, s in zip(prompts, seeds)]
+
+
+def test_a_batch_that_does_not_fit_the_context_is_split(session):
+    long_prompt, long_answer = Request(list(range(1, 101)), 4), Request([7, 8], 120)  # 100 + 120 > 128
+    rows = [session._check(r) for r in (long_prompt, long_answer, long_answer)]
+    assert [len(c) for c in session._chunks(rows)] == [1, 2]
+    assert session.generate_batch([long_prompt, long_answer]) == [session.generate([*range(1, 101)], 4),
+                                                                  session.generate([7, 8], 120)]
 
 
 # What `pip install andrea-export` brings for the build and that a runtime install leaves out (README: "Serving").
@@ -84,13 +133,6 @@ print(" ".join(sorted(m for m in sys.modules if m.split(".")[0] in BLOCKED | {"a
 def test_loading_and_generating_need_no_torch(build_dir, session):
     """A service runs the runtime where torch and the build tools are not installed: loading a folder and
     generating must import none of them, nor our export and build machinery."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    import andrea_export
-
     root = str(Path(andrea_export.__file__).parents[1])
     run = subprocess.run([sys.executable, "-c", RUNTIME_ONLY, str(build_dir), ",".join(BUILD_ONLY)],
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, cwd=root, timeout=120)
@@ -102,35 +144,3 @@ def test_loading_and_generating_need_no_torch(build_dir, session):
     assert not [m for m in modules if m.split(".")[0] != "andrea_export"]
     assert not {"andrea_export.build", "andrea_export.export", "andrea_export.kvcache", "andrea_export.model",
                 "andrea_export.progress", "andrea_export.pipeline"} & set(modules), modules
-
-
-def test_a_serial_session_takes_turns(session):
-    """A backend with one cache in the session (as TensorRT's buffers, contexts and CUDA graph are): the
-    lock of SerialSession makes threads take turns, and a batch runs prompt by prompt."""
-    import numpy as np
-
-    from andrea_export import runtime
-    from andrea_export.runtime.ort import _OrtSteps
-
-    class OneCache(runtime.SerialSession):
-        backend = "one-cache"
-
-        def __init__(self):
-            super().__init__(session.cfg, session.layout, "one cache")
-            self.cache, self.length = _OrtSteps(session), 0
-
-        def _prefill(self, ids):
-            self.length = len(ids)
-            return self.cache.prefill(np.array([ids]), np.ones((1, len(ids)), dtype=np.int64))[0]
-
-        def _decode(self, token):
-            self.length += 1
-            return self.cache.decode(np.array([token]), np.ones((1, self.length), dtype=np.int64))[0]
-
-    serial, requests = OneCache(), _requests(16, seed=2)
-    alone = [session.generate(**r) for r in requests]
-    with ThreadPoolExecutor(4) as pool:
-        assert list(pool.map(lambda r: serial.generate(**r), requests)) == alone
-    from andrea_export.runtime import Request
-
-    assert serial.generate_batch([Request(**r) for r in requests[:5]]) == alone[:5]
