@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, ContextManager
+from typing import TYPE_CHECKING, ContextManager, TypeGuard, cast
 
 import numpy as np
 
@@ -162,13 +162,14 @@ class Session(abc.ABC):
         is a list, one list of new ids per prompt. Then `max_new_tokens` and `seed` may be lists too (one per
         prompt); one `seed` seeds every prompt's own generator, so each prompt gets the tokens it gets alone.
         For settings that differ in other ways, see `generate_batch`."""
-        if not _is_batch(prompt_ids):
-            row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids))
-            return self._generate([row])[0]
-        n = len(prompt_ids)
-        lengths, seeds = _per_prompt(max_new_tokens, n, "max_new_tokens"), _per_prompt(seed, n, "seed")
-        return self.generate_batch([Request(p, m, strategy, temperature, top_k, top_p, s, stop_ids)
-                                    for p, m, s in zip(prompt_ids, lengths, seeds)])
+        if _is_batch(prompt_ids):
+            n = len(prompt_ids)
+            lengths, seeds = _per_prompt(max_new_tokens, n, "max_new_tokens"), _per_prompt(seed, n, "seed")
+            return self.generate_batch([Request(p, m, strategy, temperature, top_k, top_p, s, stop_ids)
+                                        for p, m, s in zip(prompt_ids, lengths, seeds)])
+        one = Request(cast(Sequence[int], prompt_ids), cast(int, max_new_tokens), strategy, temperature, top_k, top_p,
+                      cast("int | None", seed), stop_ids)  # one prompt: _check checks what each value really is
+        return self._generate([self._check(one)])[0]
 
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
         """The new ids of every request, in order. Consecutive requests run together in batches (as many as
@@ -195,7 +196,7 @@ class Session(abc.ABC):
         checked before the first step runs. The call holds its cache (on a SerialSession: the session)
         until the iterator is exhausted or closed."""
         row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids))
-        return (events[0] for events in self._loop([row]))
+        return (event for events in self._loop([row]) if (event := events[0]) is not None)
 
     # -- the loop ----------------------------------------------------------------------------------------
     def _check(self, r: Request, where: str | None = None) -> _Row:
@@ -323,7 +324,7 @@ class _SessionSteps(Steps):
         return self.session._decode(int(tokens[0]))[None]
 
 
-def _is_batch(prompt_ids) -> bool:
+def _is_batch(prompt_ids) -> TypeGuard[Sequence[Sequence[int]]]:
     """A list of prompts (rather than one prompt): its first element is itself a sequence."""
     return isinstance(prompt_ids, (list, tuple, np.ndarray)) and len(prompt_ids) > 0 and isinstance(
         prompt_ids[0], (list, tuple, np.ndarray))
