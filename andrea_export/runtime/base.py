@@ -11,7 +11,9 @@ memory for CUDA / TensorRT):
 Batches: prompts of different lengths are padded on the left (id 0, mask 0). The graph masks padded keys
 and derives each token's position from the mask, so a row computes what its prompt alone would. Every
 request draws from its own generator, seeded with its own `seed`, and stops on its own (its stop ids, its
-`max_new_tokens`): a batched call gives each prompt the tokens it gets alone.
+`max_new_tokens`): a batched call gives each prompt the tokens it gets alone. (A padded row's fp32 logits
+can differ from its unpadded ones in the last bits, as sums run over a longer, masked key axis: at most
+4e-7 on the tiny test model. Tokens could differ only at a tie to that precision.)
 
 Threads: one Session may serve many threads at once. A call keeps everything it changes (cache, mask,
 generators) in itself, never in the session. A backend whose state cannot be per call (TensorRT: one
