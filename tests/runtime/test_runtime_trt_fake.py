@@ -329,3 +329,18 @@ def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gr
         got[name] = pipeline._status(report), report.decoder["engine_greedy"]["passed"]
     assert got == {"right": ("passed", True), "wrong": ("failed", False)}
     _closed_clean(device)
+
+
+def test_threads_and_batches_take_turns(device, graphs, references, tmp_path):
+    """TrtSession is a SerialSession: threads take turns on its one cache and a batch runs prompt by prompt,
+    each prompt with exactly the tokens ONNX Runtime gives it alone (without the lock the threads' tokens
+    come out wrong, silently)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [_prompt(5), _prompt(4), _prompt(1), _prompt(25)]
+    alone = [references["fp32"].generate(p, 12, strategy="top-k", seed=i) for i, p in enumerate(prompts)]
+    with runtime.load(_build_folder(tmp_path / "build", graphs["fp32"]), backend="tensorrt") as sess:
+        with ThreadPoolExecutor(4) as pool:
+            assert list(pool.map(lambda i: sess.generate(prompts[i], 12, strategy="top-k", seed=i), range(4))) == alone
+        assert sess.generate(prompts, 12, strategy="top-k", seed=list(range(4))) == alone
+    _closed_clean(device)
