@@ -120,6 +120,7 @@ def test_sampling_is_seeded_and_stops(session):
         ([1.5], {}, "prompt must hold integer token ids, got float64"),
         ([[[1, 2]]], {}, "prompt must be a flat sequence of token ids, got an array of shape [1, 2]"),
         ([[1, 2], []], {}, "request 1: prompt is empty: give at least one token id"),
+        ([1, [2, 3]], {}, "prompt must be a flat sequence of token ids"),
         ([[1], [2]], {"seed": [1, 2, 3]}, "seed: 3 values for 2 prompts (give one, or one per prompt)"),
         ([[1], list(range(100))], {"max_new_tokens": [4, 29]},
          "request 1: prompt (100 tokens) + max_new_tokens (29) = 129 exceeds the model's context of 128 tokens"),
