@@ -18,7 +18,6 @@ import onnx
 import torch
 
 from .artifacts import staging
-from .config import ModelConfig
 from .errors import ExportError
 from .graphs import check_onnx, read_config, read_metadata  # noqa: F401  (moved to graphs.py; importable from here)
 from .model import Andrea
