@@ -57,3 +57,16 @@ def lively_build(lively_model, tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _deterministic_torch():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory):
+    """A finished tiny build folder (TensorRT-RTX engines, decoder included) and its manifest. Tests that
+    change a build work on a copy (`shutil.copytree`)."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    out = tmp_path_factory.mktemp("build") / "tiny"
+    opts = BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=4,
+                        verify_shapes=[[1, 3], [2, 128]])
+    return out, run_build(opts)

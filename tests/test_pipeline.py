@@ -12,14 +12,6 @@ from andrea_export.pipeline import BuildOptions, read_manifest, run_build, verif
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
 
 
-@pytest.fixture(scope="module")
-def tiny_build(tmp_path_factory):
-    out = tmp_path_factory.mktemp("build") / "tiny"
-    opts = BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=4,
-                        verify_shapes=[[1, 3], [2, 128]])
-    return out, run_build(opts)
-
-
 def test_build_folder_contract(tiny_build):
     out, manifest = tiny_build
     assert manifest == read_manifest(out)

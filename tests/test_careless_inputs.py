@@ -1,0 +1,279 @@
+"""A careless user's mistakes: each gives one clear line naming the problem, a non-zero exit (2 for an
+option click itself refuses, 1 for the rest), no traceback, and leaves nothing behind (the folder the
+command was pointed at lists the same files before and after)."""
+
+import builtins
+import errno
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from andrea_export.cli import main
+
+
+def cli(*args) -> "CliRunner.invoke":
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        import traceback
+
+        pytest.fail("traceback for a user's mistake:\n" + "".join(traceback.format_exception(result.exception)))
+    assert "Traceback" not in result.output
+    return result
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+def refused(result, code: int, *words: str) -> None:
+    assert result.exit_code == code, result.output
+    text = " ".join(result.output.split())  # rich wraps long lines
+    for w in words:
+        assert w in text, f"{w!r} not in: {result.output}"
+
+
+@pytest.fixture
+def tiny_file(tiny_onnx, tmp_path):
+    """A copy of the tiny export, alone in a folder."""
+    dst = tmp_path / "src" / "m.onnx"
+    dst.parent.mkdir()
+    shutil.copy(tiny_onnx, dst)
+    return dst
+
+
+# --- checkpoints ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".bin"])
+def test_empty_checkpoint(tmp_path, suffix):
+    ckpt = tmp_path / f"empty{suffix}"
+    ckpt.touch()
+    before = listing(tmp_path)
+    refused(cli("export", "--checkpoint", ckpt, "--config", "andrea-tiny", "--out", tmp_path / "m.onnx"), 1,
+            f"empty{suffix}", "empty")
+    assert listing(tmp_path) == before
+
+
+# --- where output goes ------------------------------------------------------------------------------
+
+
+def test_out_below_a_file(tmp_path, tiny_file):
+    (tmp_path / "afile").write_text("x")
+    before = listing(tmp_path)
+    refused(cli("export", "--config", "andrea-tiny", "--out", tmp_path / "afile" / "m.onnx"), 1, "afile")
+    refused(cli("build", "--config", "andrea-tiny", "--out", tmp_path / "afile"), 1, "afile")
+    refused(cli("verify", tiny_file, "--greedy-steps", "0", "--shapes", "1x2",
+                "--report", tmp_path / "afile" / "r.json"), 1, "afile")
+    assert listing(tmp_path) == before
+
+
+@pytest.fixture
+def unwritable(monkeypatch):
+    """Make a folder behave like a read-only (EROFS) or full (ENOSPC) file system: every call that would
+    create, replace or write a file or folder under it fails as the kernel would. Running as root, chmod
+    cannot do this, and a real mount needs privileges a test should not need."""
+    roots: dict[Path, int] = {}
+
+    def check(path, writing=True):
+        if not writing or isinstance(path, int):
+            return
+        p = Path(os.path.abspath(os.fsdecode(path)))
+        for root, code in roots.items():
+            if p == root or root in p.parents:
+                raise OSError(code, os.strerror(code), str(path))
+
+    real_mkdir, real_open, real_replace, real_rename, real_link, real_osopen = (
+        os.mkdir, builtins.open, os.replace, os.rename, os.link, os.open)
+
+    def mkdir(path, *a, **k):
+        check(path)
+        return real_mkdir(path, *a, **k)
+
+    def osopen(path, flags, *a, **k):
+        check(path, bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)))
+        return real_osopen(path, flags, *a, **k)
+
+    def open_(file, mode="r", *a, **k):
+        check(file, any(c in mode for c in "wax+"))
+        return real_open(file, mode, *a, **k)
+
+    def two(real):
+        def f(src, dst, *a, **k):
+            check(dst)
+            return real(src, dst, *a, **k)
+        return f
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", osopen)
+    monkeypatch.setattr(builtins, "open", open_)
+    monkeypatch.setattr(io, "open", open_)
+    monkeypatch.setattr(os, "replace", two(real_replace))
+    monkeypatch.setattr(os, "rename", two(real_rename))
+    monkeypatch.setattr(os, "link", two(real_link))
+
+    def make(folder: Path, code: int) -> Path:
+        folder.mkdir(parents=True, exist_ok=True)
+        roots[Path(os.path.abspath(folder))] = code
+        return folder
+
+    return make
+
+
+@pytest.mark.parametrize("code", [errno.EROFS, errno.ENOSPC], ids=["read-only", "full"])
+def test_out_on_a_read_only_or_full_file_system(tmp_path, tiny_file, tiny_build, unwritable, code):
+    build, _ = tiny_build
+    ro = unwritable(tmp_path / "ro", code)
+    (ro / "keep.txt").parent.mkdir(exist_ok=True)
+    before = listing(tmp_path)
+    why = os.strerror(code)
+    refused(cli("export", "--config", "andrea-tiny", "--out", ro / "m.onnx"), 1, str(ro), why)
+    refused(cli("export", "--config", "andrea-tiny", "--out", ro / "sub" / "m.onnx"), 1, str(ro / "sub"), why)
+    refused(cli("build", "--config", "andrea-tiny", "--out", ro / "b"), 1, str(ro / "b"), why)
+    refused(cli("verify", tiny_file, "--greedy-steps", "0", "--shapes", "1x2", "--report", ro / "r.json"), 1,
+            str(ro), why)
+    refused(cli("package", build, "--triton", ro / "repo", "--backend", "onnxruntime", "--kind", "cpu", "--copy"), 1,
+            str(ro / "repo"), why)
+    assert listing(tmp_path) == before
+
+
+def test_read_only_build_folder_for_verify(tmp_path, tiny_build, unwritable):
+    build, _ = tiny_build
+    copy = tmp_path / "copy"
+    shutil.copytree(build, copy)
+    unwritable(copy, errno.EROFS)
+    before = listing(tmp_path)
+    refused(cli("verify", copy, "--greedy-steps", "0", "--shapes", "1x2"), 1, str(copy), os.strerror(errno.EROFS))
+    assert listing(tmp_path) == before
+
+
+# --- verify options ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shapes,code,words", [
+    ("0x1", 2, ["0x1", "batch"]),
+    ("1x0", 2, ["1x0", "seq"]),
+    ("1", 2, ["'1'", "BATCHxSEQ"]),
+    ("1x2x3", 2, ["'1x2x3'", "BATCHxSEQ"]),
+    ("1x-2", 2, ["1x-2"]),
+    ("1x129", 1, ["1x129", "context of 128"]),
+])
+def test_verify_bad_shapes(tiny_file, shapes, code, words):
+    before = listing(tiny_file.parent)
+    refused(cli("verify", tiny_file, "--shapes", shapes), code, *words)
+    assert listing(tiny_file.parent) == before
+
+
+@pytest.mark.parametrize("steps,code,words", [
+    ("1000", 1, ["--greedy-steps", "1000", "context of 128"]),
+    ("-1", 2, ["--greedy-steps", "-1"]),
+])
+def test_verify_bad_greedy_steps(tiny_file, steps, code, words):
+    before = listing(tiny_file.parent)
+    refused(cli("verify", tiny_file, "--greedy-steps", steps), code, *words)
+    assert listing(tiny_file.parent) == before
+
+
+def test_verify_config_that_does_not_match_the_file(tiny_file):
+    before = listing(tiny_file.parent)
+    refused(cli("verify", tiny_file, "--config", "andrea-120m", "--greedy-steps", "0", "--shapes", "1x2"), 1,
+            "andrea-120m", "does not match", str(tiny_file))
+    assert listing(tiny_file.parent) == before
+
+
+# --- generate options -------------------------------------------------------------------------------
+
+
+def test_generate_negative_seed(tiny_build):
+    build, _ = tiny_build
+    refused(cli("generate", build, "--prompt-ids", "1,2", "--strategy", "top-k", "--seed", "-1"), 2, "--seed", "-1")
+
+
+@pytest.mark.parametrize("ids", ["\u0661,2", "1,\uff12", "\u00b9", "+1", "1_0"])
+def test_prompt_ids_are_ascii_digits(tiny_build, ids):
+    build, _ = tiny_build
+    refused(cli("generate", build, "--prompt-ids", ids, "-n", "1"), 2, "--prompt-ids")
+
+
+@pytest.mark.parametrize("option", [["--top-k", "5"], ["--top-p", "0.5"], ["--temperature", "0.7"], ["--seed", "3"]])
+def test_greedy_refuses_sampling_options(tiny_build, option):
+    build, _ = tiny_build
+    refused(cli("generate", build, "--prompt-ids", "1,2", "-n", "1", *option), 2, option[0], "greedy")
+
+
+def test_sampling_options_still_work(tiny_build):
+    build, _ = tiny_build
+    r = cli("generate", build, "--prompt-ids", "1,2", "-n", "2", "--strategy", "top-k", "--top-k", "5", "--seed", "3")
+    assert r.exit_code == 0, r.output
+
+
+# --- build options: all checked before the first expensive step -------------------------------------
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--profile", "batch=1:1:100000000000000000000"], ["batch", "100000000000000000000"]),
+    (["--profile", "batch=1:1:4000"], ["batch", "4000", "2^31"]),
+    (["--workspace-mb", "-5"], ["--workspace-mb", "-5"]),
+    (["--compute-capability", "5.0"], ["5.0", "TensorRT-RTX target"]),
+    (["--compute-capability", "7.5", "--compute-capability", "8.6"], ["7.5", "alone"]),
+    (["--compute-capability", "7.5"], ["7.5", "fp16"]),
+    (["--builder", "tensorrt", "--compute-capability", "8.6"], ["TensorRT-RTX only"]),
+])
+def test_build_options_refused_before_any_work(tmp_path, monkeypatch, args, words):
+    import andrea_export.checkpoint
+
+    def no_work(*a, **k):
+        raise AssertionError("a bad option must be refused before the model is made")
+
+    monkeypatch.setattr(andrea_export.checkpoint, "random_init", no_work)
+    out = tmp_path / "b"
+    r = cli("build", "--config", "andrea-tiny", "--out", out, *args)
+    assert r.exit_code in (1, 2), r.output
+    refused(r, r.exit_code, *words)
+    assert listing(tmp_path) == []
+
+
+@pytest.mark.parametrize("toml,words", [
+    ('seed = "x"', ["seed", "'x'"]),
+    ('opt_level = "high"', ["opt_level", "'high'"]),
+    ("opt_level = 9", ["opt_level", "9"]),
+    ("greedy_steps = [1]", ["greedy_steps", "[1]"]),
+    ("verify_shapes = 5", ["verify_shapes", "5"]),
+    ("verify_shapes = [[0, 1]]", ["verify_shapes", "[0, 1]"]),
+    ('compute_capabilities = "8.6"', ["compute_capabilities", "'8.6'"]),
+    ('decoder = "yes"', ["decoder", "'yes'"]),
+    ("precision = 16", ["precision", "16"]),
+    ("out = 3", ["out", "3"]),
+])
+def test_build_config_with_wrong_types(tmp_path, toml, words):
+    cfg = tmp_path / "cfg" / "bad.toml"
+    cfg.parent.mkdir()
+    cfg.write_text(f'config = "andrea-tiny"\n{toml}\n')
+    out = tmp_path / "b"
+    refused(cli("build", "--build-config", cfg, "--out", out), 1, "bad.toml", *words)
+    assert not out.exists()
+
+
+def test_build_options_check_from_python():
+    from andrea_export.errors import ConfigError
+    from andrea_export.pipeline import BuildOptions
+
+    with pytest.raises(ConfigError, match="greedy_steps"):
+        BuildOptions(greedy_steps=-3).check()
+    with pytest.raises(ConfigError, match="seed"):
+        BuildOptions(seed=-1).check()
+    assert BuildOptions(config="andrea-tiny").check() is not None
+
+
+# --- package ----------------------------------------------------------------------------------------
+
+
+def test_package_name_too_long(tmp_path, tiny_build):
+    build, _ = tiny_build
+    repo = tmp_path / "repo"
+    refused(cli("package", build, "--triton", repo, "--name", "a" * 300, "--backend", "onnxruntime", "--kind", "cpu"),
+            1, "300 characters")
+    assert listing(tmp_path) == []
