@@ -142,9 +142,9 @@ def test_out_on_a_read_only_or_full_file_system(tmp_path, tiny_file, tiny_build,
 
 def test_read_only_build_folder_for_verify(tmp_path, tiny_build, unwritable):
     build, _ = tiny_build
-    copy = tmp_path / "copy"
+    copy = tmp_path / "ro" / "copy"
     shutil.copytree(build, copy)
-    unwritable(copy, errno.EROFS)
+    unwritable(tmp_path / "ro", errno.EROFS)  # the file system the build folder is on
     before = listing(tmp_path)
     refused(cli("verify", copy, "--greedy-steps", "0", "--shapes", "1x2"), 1, str(copy), os.strerror(errno.EROFS))
     assert listing(tmp_path) == before
@@ -246,7 +246,7 @@ def test_build_options_refused_before_any_work(tmp_path, monkeypatch, args, word
     ('compute_capabilities = "8.6"', ["compute_capabilities", "'8.6'"]),
     ('decoder = "yes"', ["decoder", "'yes'"]),
     ("precision = 16", ["precision", "16"]),
-    ("out = 3", ["out", "3"]),
+    ("timing_cache = 3", ["timing_cache", "3"]),
 ])
 def test_build_config_with_wrong_types(tmp_path, toml, words):
     cfg = tmp_path / "cfg" / "bad.toml"
