@@ -47,6 +47,7 @@ OPT_LEVELS = range(0, 6)  # builder_optimization_level: 0 (fastest build) .. 5 (
 # default (it builds fastest: listing the same four explicitly doubles the AOT time for the same plan).
 RTX_DEFAULT_CCS = ("8.0", "8.6", "8.9", "12.0")
 RTX_CCS = ("7.5", "8.0", "8.6", "8.9", "12.0", "12.1")  # what tensorrt_rtx.ComputeCapability names
+TENSOR_VOLUME_LIMIT = 2**31  # TensorRT: "the volume of the tensor must be less than 2^31 elements"
 
 
 # --- which builder --------------------------------------------------------------------------------
@@ -149,6 +150,21 @@ class Profiles:
         self.seq.check("seq")
         if context is not None and self.seq.max > context:
             raise ConfigError(f"profile 'seq': max {self.seq.max} exceeds the model's context of {context} tokens")
+        return self
+
+    def check_tensor_sizes(self, cfg: ModelConfig) -> "Profiles":
+        """Refuse maxima whose largest tensor TensorRT cannot hold: "the volume of the tensor must be less
+        than 2^31 elements" (ITensor). The largest are the logits [batch, seq, vocab] and the attention
+        scores [batch, heads, seq, seq]."""
+        b, t = self.batch.max, self.seq.max
+        per_sequence = max(t * cfg.vocab_size, cfg.n_head * t * t)
+        if b * per_sequence >= TENSOR_VOLUME_LIMIT:
+            limit = (TENSOR_VOLUME_LIMIT - 1) // per_sequence
+            raise ConfigError(
+                f"profile 'batch': max {b} with seq max {t} makes a tensor of {b * per_sequence:,} elements "
+                f"({'logits' if t * cfg.vocab_size >= cfg.n_head * t * t else 'attention scores'}), and TensorRT "
+                f"allows fewer than 2^31 per tensor: use a batch max of at most {limit} for {cfg.name} at {t} tokens"
+            )
         return self
 
     @classmethod
@@ -507,18 +523,36 @@ def _compute_capabilities(trt, builder: str, requested: Sequence[str] | None) ->
         return [gpu_compute_capability() or "?"], False
     if not requested:
         return list(RTX_DEFAULT_CCS), True
+    out = normalize_compute_capabilities(requested)
+    for cc in out:
+        if not hasattr(trt.ComputeCapability, "SM" + cc.replace(".", "")):
+            raise ConfigError(f"compute capability {cc!r} is not a target of this TensorRT-RTX {trt.__version__}")
+    return out, False
+
+
+def normalize_compute_capabilities(requested: Sequence[str]) -> list[str]:
+    """TensorRT-RTX targets as "8.6" (also accepted: "86", "sm_86"), checked without TensorRT-RTX."""
     out = []
     for cc in requested:
         norm = str(cc).strip().lower().removeprefix("sm_").removeprefix("sm")
         if re.fullmatch(r"\d{2,3}", norm):
             norm = f"{norm[:-1]}.{norm[-1]}"
-        if norm not in RTX_CCS or not hasattr(trt.ComputeCapability, "SM" + norm.replace(".", "")):
+        if norm not in RTX_CCS:
             raise ConfigError(f"compute capability {cc!r} is not a TensorRT-RTX target; choose from {', '.join(RTX_CCS)}")
         if norm not in out:
             out.append(norm)
     if "7.5" in out and len(out) > 1:
         raise ConfigError("compute capability 7.5 (Turing) must be built alone: TensorRT-RTX makes no portable engines with Turing")
-    return out, False
+    return out
+
+
+def check_targets(builder: str, requested: Sequence[str] | None, precision: str) -> None:
+    """The target GPUs against the builder and the precision, before anything is built."""
+    if builder == "tensorrt":
+        if requested:
+            raise ConfigError("compute capabilities apply to TensorRT-RTX only: TensorRT builds for the GPU it runs on")
+        return
+    _check_precision(_NAMES[builder], precision, normalize_compute_capabilities(requested) if requested else [])
 
 
 def _check_precision(name: str, precision: str, ccs: list[str]) -> None:

@@ -173,6 +173,8 @@ def save_checkpoint(model: Andrea, path: str | Path) -> Path:
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file")
+    if path.stat().st_size == 0:
+        raise CheckpointError(f"{path}: the file is empty (0 bytes): not a checkpoint (an interrupted download or copy?)")
     if path.suffix in (".pt", ".pth", ".bin"):
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True)

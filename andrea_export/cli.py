@@ -3,7 +3,9 @@ options, calls one Python function, and turns AndreaExportError into one clear l
 
 from __future__ import annotations
 
+import errno
 import functools
+import re
 import sys
 from pathlib import Path
 
@@ -25,6 +27,14 @@ def _user_errors(fn):
 
             console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
             sys.exit(1)
+        except OSError as e:
+            if e.errno not in _USER_ERRNOS or e.filename is None:
+                raise  # not about a path the user chose: a bug, keep the traceback
+            from .progress import console
+
+            console.print(f"[bold red]error:[/] {e.filename}: {e.strerror}", markup=True, highlight=False,
+                          soft_wrap=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted: nothing half-written was left behind", err=True)
             sys.exit(130)
@@ -32,13 +42,26 @@ def _user_errors(fn):
     return wrapper
 
 
+# Where a user's path cannot be written or read as asked: said in one line, not a traceback.
+_USER_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
+                errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+
+
 def _shapes(ctx, param, value: str | None):
+    """BATCHxN[,BATCHxN...] of ASCII integers; batch >= 1, and N >= 1 except a decode grid's past (>= 0)."""
     if not value:
         return None
-    try:
-        return [tuple(int(v) for v in s.lower().split("x")) for s in value.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"'{value}': expected BATCHxSEQ[,BATCHxSEQ...], e.g. 1x1,2x1024") from None
+    second, low = ("past", 0) if param.name == "decode_grid" else ("seq", 1)
+    shapes = []
+    for s in value.split(","):
+        m = re.fullmatch(r"\s*([0-9]+)[xX]([0-9]+)\s*", s)
+        if not m:
+            raise click.BadParameter(f"'{s}': expected BATCHx{second.upper()}[,BATCHx{second.upper()}...], e.g. 1x1,2x1024")
+        b, t = int(m[1]), int(m[2])
+        if b < 1 or t < low:
+            raise click.BadParameter(f"'{s}': batch must be at least 1 and {second} at least {low}")
+        shapes.append((b, t))
+    return shapes
 
 
 checkpoint_option = click.option(
@@ -50,7 +73,8 @@ config_option = click.option(
     "--config", "config", default=None, metavar="NAME|FILE",
     help="Model config: a preset (andrea-120m, andrea-tiny) or a JSON file like models/andrea-120m.json. "
          "Default: read from the checkpoint, else andrea-120m.")
-seed_option = click.option("--seed", default=0, show_default=True, help="Seed of the random weights (no checkpoint).")
+seed_option = click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+                           help="Seed of the random weights (no checkpoint).")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -113,7 +137,8 @@ def export(checkpoint, config, seed, out, opset, hf_folder):
 @config_option
 @click.option("--shapes", default=None, metavar="BxT,...", callback=_shapes,
               help="Input shapes to compare, e.g. 1x1,4x64,2x1024. Default: 1x1, 1x17, 4x64, 2x<context>.")
-@click.option("--greedy-steps", default=32, show_default=True, help="Greedy tokens decoded by each (0: skip).")
+@click.option("--greedy-steps", type=click.IntRange(min=0), default=32, show_default=True,
+              help="Greedy tokens decoded by each (0: skip).")
 @click.option("--report", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="ONNX target: write the JSON report here. Default: <onnx_file>.verify.json")
 @_user_errors
@@ -156,7 +181,8 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
                    "Options given on the command line win.")
 @checkpoint_option
 @config_option
-@click.option("--seed", type=int, default=None, help="Seed of the random weights (no checkpoint). [default: 0]")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Seed of the random weights (no checkpoint). [default: 0]")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
               help="Precision of the graph the engine is built from (TensorRT 11 and TensorRT-RTX are strongly "
                    "typed: LayerNorm and softmax stay float32). [default: fp32]")
@@ -167,7 +193,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
               help="Optimization profile(s) for input_ids, e.g. 'batch=1:4:16,seq=1:128:1024' (min:opt:max; "
                    "';' separates profiles). [default: batch=1:1:8, seq=1:128:<context>]")
 @click.option("--opt-level", type=click.IntRange(0, 5), default=None, help="Builder optimization level. [default: 3]")
-@click.option("--workspace-mb", type=int, default=None, help="Workspace memory limit in MiB. [default: TensorRT's]")
+@click.option("--workspace-mb", type=click.IntRange(min=1), default=None, help="Workspace memory limit in MiB. [default: TensorRT's]")
 @click.option("--compute-capability", "compute_capabilities", multiple=True,
               help="TensorRT-RTX target, repeatable: 7.5, 8.0, 8.6, 8.9, 12.0. [default: 8.0 8.6 8.9 12.0]")
 @click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
@@ -290,13 +316,14 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 @click.option("--temperature", type=float, default=1.0, show_default=True)
 @click.option("--top-k", type=int, default=50, show_default=True)
 @click.option("--top-p", type=float, default=0.9, show_default=True)
-@click.option("--seed", type=int, default=None,
+@click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed for top-k/top-p sampling (reproducible output); each prompt gets the tokens it gets alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
               help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime.")
+@click.pass_context
 @_user_errors
-def generate(build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy, temperature, top_k, top_p, seed,
+def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy, temperature, top_k, top_p, seed,
              stop_ids, backend):
     """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
 
@@ -318,10 +345,17 @@ def generate(build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy
     else:
         prompts = []
         for text in prompt_ids:
-            try:
-                prompts.append([int(x) for x in text.replace(",", " ").split()])
-            except ValueError:
-                raise click.BadParameter(f"not a list of integers: {text!r}", param_hint="--prompt-ids") from None
+            items = text.replace(",", " ").split()
+            if not all(re.fullmatch(r"[0-9]+", x) for x in items):  # int() would take '١', '+1', '1_0'
+                raise click.BadParameter(f"not a list of token ids (ASCII digits): {text!r}", param_hint="--prompt-ids")
+            prompts.append([int(x) for x in items])
+    # a sampling option the chosen strategy does not use is a mistake, not something to ignore quietly
+    uses = {"greedy": set(), "top-k": {"temperature", "top_k", "seed"}, "top-p": {"temperature", "top_p", "seed"}}
+    for name in ("temperature", "top_k", "top_p", "seed"):
+        if name not in uses[strategy] and ctx.get_parameter_source(name) == click.core.ParameterSource.COMMANDLINE:
+            raise click.UsageError(f"--{name.replace('_', '-')} does not apply to --strategy {strategy}"
+                                   + (" (greedy decoding samples nothing; choose --strategy top-k or top-p)"
+                                      if strategy == "greedy" else ""))
     with runtime.load(build, backend=backend) as sess:
         news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)
                                     for p in prompts])

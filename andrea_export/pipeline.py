@@ -1,9 +1,10 @@
 """`andrea-export build` as a Python function: checkpoint -> ONNX -> plugin graph -> engine ->
 Polygraphy verification -> a self-describing build folder with manifest.json.
 
-The folder is assembled in a hidden staging folder inside `out` and moved in when every step has run;
-manifest.json moves last, so a folder with a manifest is a finished build (its `status` says whether
-it passed). Ctrl-C, a crash or a full disk leave `out` as it was.
+The folder is locked for the whole build, assembled in a hidden staging folder beside `out`, and swapped
+with `out` in one step (artifacts.update_folder) when every step has run, so a folder with a manifest
+is a finished build (its `status` says whether it passed). Ctrl-C, a crash, kill -9 or a full disk
+leave `out` as it was; `verify BUILD` updates the folder the same way.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import tomllib
 from pathlib import Path
 
 from . import __version__
-from .artifacts import sha256_file, staging, write_text_atomic
+from .artifacts import locked_folder, sha256_file, update_folder, write_text_atomic
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .names import INPUT_IDS
@@ -61,7 +62,57 @@ class BuildOptions:
         if unknown:
             raise ConfigError(f"{path}: unknown build option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         data.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**data)
+        try:
+            return cls(**data).check()
+        except ConfigError as e:
+            raise ConfigError(f"{path}: {e}") from None
+
+    def check(self) -> "BuildOptions":
+        """Check every option's type and range (nothing is loaded or built); returns self. Raises
+        ConfigError naming the option. What depends on the model (profiles and verify shapes against its
+        context) is checked by run_build as soon as the model config is known, still before any work."""
+        from .build import BUILDERS, OPT_LEVELS, normalize_compute_capabilities, parse_profiles
+        from .precision import PRECISIONS
+
+        def bad(field: str, want: str):
+            raise ConfigError(f"build option '{field}': expected {want}, got {getattr(self, field)!r}")
+
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        for f in ("config", "checkpoint", "profiles", "timing_cache", "out"):
+            if getattr(self, f) is not None and not isinstance(getattr(self, f), str):
+                bad(f, "a string")
+        for f in ("fuse_bias", "decoder"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, "true or false")
+        if not is_int(self.seed) or self.seed < 0:
+            bad("seed", "an integer >= 0")
+        if self.precision not in PRECISIONS:
+            bad("precision", f"one of {', '.join(PRECISIONS)}")
+        if self.builder not in ("auto", *BUILDERS):
+            bad("builder", f"one of auto, {', '.join(BUILDERS)}")
+        if not is_int(self.opt_level) or self.opt_level not in OPT_LEVELS:
+            bad("opt_level", "an integer from 0 to 5")
+        if self.workspace_mb is not None and (not is_int(self.workspace_mb) or self.workspace_mb < 1):
+            bad("workspace_mb", "a positive integer (MiB)")
+        if not is_int(self.greedy_steps) or self.greedy_steps < 0:
+            bad("greedy_steps", "an integer >= 0")
+        if self.verify_shapes is not None and not (
+                isinstance(self.verify_shapes, list) and self.verify_shapes
+                and all(isinstance(s, list) and len(s) == 2 and all(is_int(v) and v >= 1 for v in s)
+                        for s in self.verify_shapes)):
+            bad("verify_shapes", "a list of [batch, seq] pairs of integers >= 1")
+        if self.compute_capabilities is not None:
+            if not isinstance(self.compute_capabilities, list) or not all(
+                    isinstance(c, str) for c in self.compute_capabilities):
+                bad("compute_capabilities", 'a list of strings such as ["8.6", "12.0"]')
+            if self.builder == "tensorrt" and self.compute_capabilities:
+                raise ConfigError("compute capabilities apply to TensorRT-RTX only: TensorRT builds for the GPU it runs on")
+            normalize_compute_capabilities(self.compute_capabilities)
+        if self.profiles is not None:
+            parse_profiles(self.profiles)  # the syntax; the bounds need the model
+        return self
 
     def to_toml(self) -> str:
         """The effective options as TOML (None values are left out: they mean 'the default')."""
@@ -77,50 +128,62 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
     Raises AndreaExportError for bad input before any heavy step; a verification failure is not an
     exception: the manifest's status says "failed" (and the CLI exits 1)."""
-    from .build import Profiles, parse_profiles, resolve_builder
-    from .precision import PRECISIONS
+    from .build import check_targets, resolve_builder
 
-    if opts.precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}; got {opts.precision!r}")
+    opts = opts.check()  # every option, before anything is loaded or built
     cfg = load_config(opts.config) if opts.config else None
+    if cfg is not None:
+        _check_for_model(opts, cfg)
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
+    check_targets(builder, opts.compute_capabilities, opts.precision)
     model = _load_model(opts, cfg)
     cfg = model.cfg
-    profiles = parse_profiles(opts.profiles, Profiles.for_model(cfg)) if opts.profiles else [Profiles.for_model(cfg)]
-    for p in profiles:
-        p.check(cfg.n_positions)
+    profiles = _check_for_model(opts, cfg)
     out = Path(opts.out or f"out/{cfg.name}-{opts.precision}")
     opts = dataclasses.replace(opts, out=str(out))
-    _claim(out, opts, force)
     # TensorRT reuses tactic timings across builds; TensorRT-RTX has no autotuning, so no cache by default.
     timing_cache = Path(opts.timing_cache) if opts.timing_cache else (out / "timing.cache" if builder == "tensorrt" else None)
 
-    previous = _previous_artifacts(out)
     t0 = time.perf_counter()
     try:
-        with staging(out, marker_suffix=MANIFEST) as tmp:
-            manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache)
-            write_text_atomic(tmp / "build-config.toml", opts.to_toml())
-            manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
-            manifest["artifacts"] = _hash_artifacts(tmp, manifest["artifacts"])
-            write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
-            # while the new files move in, the folder must not look finished with the old manifest
-            (out / MANIFEST).unlink(missing_ok=True)
+        with locked_folder(out, create=True):  # a second run into `out` is refused until this one ends
+            _claim(out, opts, force)
+            # the new build is staged beside `out` and swapped in whole; a replaced build's files
+            # (named by its manifest) are not carried over, anything else in the folder is
+            with update_folder(out, drop=_previous_artifacts(out)) as tmp:
+                manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache)
+                write_text_atomic(tmp / "build-config.toml", opts.to_toml())
+                manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
+                manifest["artifacts"] = _hash_artifacts(tmp, manifest["artifacts"])
+                write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise BuildError(f"no space left on the device while writing the build into {out}; nothing was left "
                              "behind: free some space (an fp32 ANDREA-120M build takes about 2.5 GB, twice that "
                              "while it is staged) and run it again") from None
         raise
-    for name in previous - {a["path"] for a in manifest["artifacts"].values()}:  # a replaced build's leftovers
-        (out / name).unlink(missing_ok=True)
     return manifest
 
 
+def _check_for_model(opts: BuildOptions, cfg) -> list:
+    """The options that depend on the model, against its config: the optimization profiles (returned) and
+    the verification shapes and greedy steps."""
+    from .build import Profiles, parse_profiles
+    from .verify import check_inputs
+
+    base = Profiles.for_model(cfg)
+    profiles = parse_profiles(opts.profiles, base) if opts.profiles else [base]
+    for p in profiles:
+        p.check(cfg.n_positions).check_tensor_sizes(cfg)
+    check_inputs(cfg, opts.verify_shapes, opts.greedy_steps)
+    return profiles
+
+
 def _previous_artifacts(out: Path) -> set[str]:
+    """The file names a previous build's manifest records (only compared with the folder's entries)."""
     try:
-        return {a["path"] for a in json.loads((out / MANIFEST).read_text())["artifacts"].values()}
-    except (OSError, ValueError, KeyError, TypeError):
+        return {str(a["path"]) for a in json.loads((out / MANIFEST).read_text())["artifacts"].values()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return set()
 
 
@@ -362,21 +425,28 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
     from .checkpoint import model_for
     from .config import ModelConfig
 
+    from .verify import check_inputs
+
     folder = Path(folder)
-    m = read_manifest(folder)
-    altered = verify_artifact_hashes(folder, m)
-    if altered:
-        raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
-    cfg = ModelConfig.from_dict(m["model"], source=f"{folder}/{MANIFEST}")
-    model = model_for(m["weights"], cfg, checkpoint, what=str(folder))
-    paths = {role: a["path"] for role, a in m["artifacts"].items()}
-    engine_info = json.loads((folder / paths["engine_info"]).read_text())
-    report = _verify(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
-    report.save(folder / "verify.json")
-    m["status"], m["verification"] = _status(report), _verification(report)
-    m["artifacts"]["verify_report"] = _hash_artifacts(folder, {"verify_report": "verify.json"})["verify_report"]
-    m["verified_on"] = _environment()
-    write_text_atomic(folder / MANIFEST, json.dumps(m, indent=2) + "\n")
+    with locked_folder(folder):  # no build may replace it meanwhile
+        m = read_manifest(folder)
+        altered = verify_artifact_hashes(folder, m)
+        if altered:
+            raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
+        cfg = ModelConfig.from_dict(m["model"], source=f"{folder}/{MANIFEST}")
+        check_inputs(cfg, shapes, greedy_steps)
+        model = model_for(m["weights"], cfg, checkpoint, what=str(folder))
+        paths = {role: a["path"] for role, a in m["artifacts"].items()}
+        engine_info = json.loads((folder / paths["engine_info"]).read_text())
+        # the new verify.json and manifest are staged with the unchanged files and swapped in together:
+        # a crash never leaves a report that the manifest does not record
+        with update_folder(folder) as tmp:
+            report = _verify(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
+            report.save(tmp / "verify.json")
+            m["status"], m["verification"] = _status(report), _verification(report)
+            m["artifacts"]["verify_report"] = _hash_artifacts(tmp, {"verify_report": "verify.json"})["verify_report"]
+            m["verified_on"] = _environment()
+            write_text_atomic(tmp / MANIFEST, json.dumps(m, indent=2) + "\n")
     return m
 
 

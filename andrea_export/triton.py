@@ -40,6 +40,7 @@ Decisions, and why:
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -51,7 +52,7 @@ import onnx
 from onnx import TensorProto
 
 from . import __version__
-from .artifacts import sha256_file
+from .artifacts import locked_folder, sha256_file
 from .errors import AndreaExportError, require
 from .progress import warn
 
@@ -65,6 +66,7 @@ DEFAULT_ONNX_MAX_BATCH = 8  # ONNX Runtime has no profile limit; used when the m
 PLATFORM = {"tensorrt": "tensorrt_plan", "onnxruntime": "onnxruntime_onnx"}
 ROLE = {"tensorrt": "engine", "onnxruntime": "onnx"}
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+MAX_NAME = 128  # a folder name (at most 255 bytes) plus the staging folder's prefix and suffix
 
 # ONNX tensor type -> Triton DataType enum name (model_config.proto)
 _TRITON_TYPE: dict[int, str] = {
@@ -89,6 +91,18 @@ def model_config_pb2():
     return require("tritonclient.grpc.model_config_pb2", "triton", "Writing a Triton model configuration")
 
 
+def _reading_build(fn):
+    """Hold a shared lock on the build folder while it is read, so that no build replaces it meanwhile."""
+
+    @functools.wraps(fn)
+    def wrapper(build_dir, *args, **kwargs):
+        with locked_folder(build_dir, shared=True):
+            return fn(build_dir, *args, **kwargs)
+
+    return wrapper
+
+
+@_reading_build
 def write_triton_repo(
     build_dir: str | Path,
     repo_dir: str | Path,
@@ -184,6 +198,9 @@ def write_triton_repo(
     precision = manifest.get("precision", "fp32")
     model_name = manifest["model"].get("name", "andrea")
     name = name or f"{model_name}-{precision}-{'trt' if backend == 'tensorrt' else 'onnx'}"
+    if len(name) > MAX_NAME:
+        raise PackageError(f"the model name is {len(name)} characters long; Triton model names (folder names) "
+                           f"may have at most {MAX_NAME} here")
     if not _NAME_RE.fullmatch(name):
         raise PackageError(
             f"'{name}' is not a usable Triton model name: use letters, digits, '_', '-' and '.', "

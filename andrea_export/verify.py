@@ -80,6 +80,24 @@ def default_shapes(n_positions: int) -> list[tuple[int, int]]:
     return list(dict.fromkeys(shapes))
 
 
+GREEDY_PROMPT = 8  # tokens of the prompt greedy decoding starts from (the KV-cache check uses 8 too)
+
+
+def check_inputs(cfg, shapes=None, greedy_steps: int = 0) -> None:
+    """Raise ConfigError when verification shapes or greedy steps do not fit the model (before any work)."""
+    from .errors import ConfigError
+
+    for s in shapes or []:
+        b, t = s
+        if b < 1 or not 1 <= t <= cfg.n_positions:
+            raise ConfigError(f"verify shape {b}x{t} does not fit {cfg.name}: batch >= 1 and 1 <= seq <= "
+                              f"{cfg.n_positions} (the model's context of {cfg.n_positions} tokens)")
+    room = cfg.n_positions - GREEDY_PROMPT
+    if greedy_steps and greedy_steps > room:
+        raise ConfigError(f"--greedy-steps {greedy_steps}: with a prompt of {GREEDY_PROMPT} tokens at most {room} "
+                          f"tokens fit the model's context of {cfg.n_positions} tokens")
+
+
 @dataclasses.dataclass
 class VerifyReport:
     passed: bool
@@ -160,10 +178,8 @@ def verify(
     from .precision import MAX_KL, MIN_TOP1, TOLERANCES
 
     cfg = model.cfg
+    check_inputs(cfg, shapes, greedy_steps)
     shapes = shapes or default_shapes(cfg.n_positions)
-    for b, t in shapes:
-        if not 1 <= t <= cfg.n_positions or b < 1:
-            raise ValueError(f"shape ({b}, {t}) is outside the model: batch >= 1, 1 <= seq <= {cfg.n_positions}")
     tol, lm_tol = TOLERANCES[precision], {"min_top1": MIN_TOP1[precision], "max_kl": MAX_KL[precision]}
     runners = [TorchRunner(model)]
     for name, a in artifacts.items():
@@ -185,7 +201,7 @@ def verify(
                 for r in runners:
                     r.activate()
                 try:
-                    prompt = rng.integers(0, cfg.vocab_size, size=(1, min(8, cfg.n_positions - greedy_steps)))
+                    prompt = rng.integers(0, cfg.vocab_size, size=(1, GREEDY_PROMPT))
                     greedy = greedy_agreement_of_runners(runners, prompt.astype(np.int64), greedy_steps)
                 finally:
                     for r in runners:
@@ -265,6 +281,13 @@ def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = N
     from .checkpoint import model_for
     from .export import CONFIG_KEY, WEIGHTS_KEY, read_config, read_metadata
 
+    from .errors import ConfigError
+
     meta = read_metadata(onnx_path)
-    cfg = config or (read_config(onnx_path) if CONFIG_KEY in meta else None)
+    recorded = read_config(onnx_path) if CONFIG_KEY in meta else None
+    if config is not None and recorded is not None and config != recorded:
+        differ = [f"{k} {v} vs {getattr(recorded, k)}" for k, v in config.to_dict().items() if v != getattr(recorded, k)]
+        raise ConfigError(f"--config {config.name} does not match {onnx_path}, which was exported from {recorded.name} "
+                          f"({'; '.join(differ)}); leave out --config: the file records its own")
+    cfg = config or recorded
     return model_for(json.loads(meta.get(WEIGHTS_KEY, "{}")), cfg, checkpoint, what=str(onnx_path))
