@@ -75,7 +75,9 @@ def test_reference_from_metadata_and_checkpoint(tiny_model, tiny_onnx, tmp_path)
 
 
 def test_shape_outside_the_model(tiny_model, tiny_onnx):
-    with pytest.raises(ValueError, match=r"shape \(1, 129\) is outside the model: batch >= 1, 1 <= seq <= 128"):
+    from andrea_export.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"verify shape 1x129 does not fit andrea-tiny: batch >= 1 and 1 <= seq <= 128"):
         verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 129)], quiet=True)
 
 
