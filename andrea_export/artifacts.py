@@ -165,7 +165,7 @@ def update_folder(folder: str | Path, drop: set[str] = frozenset()):
             else:
                 _link_or_copy(entry, tmp / entry.name)
         if any(real.iterdir()):
-            _swap(tmp, real)
+            swap_folders(tmp, real)
         else:
             os.rename(tmp, real)  # replaces an empty folder
     finally:
@@ -192,8 +192,8 @@ def _exchange(a: Path, b: Path) -> None:
         raise OSError(code, os.strerror(code), str(a), None, str(b))
 
 
-def _swap(new: Path, folder: Path) -> None:
-    """`folder` gets `new`'s contents; `new` ends up holding the old ones."""
+def swap_folders(new: Path, folder: Path) -> None:
+    """`folder` gets `new`'s contents and `new` the old ones, in one step where the system allows."""
     try:
         _exchange(new, folder)
         return

@@ -30,10 +30,12 @@ def _user_errors(fn):
         except OSError as e:
             if e.errno not in _USER_ERRNOS or e.filename is None:
                 raise  # not about a path the user chose: a bug, keep the traceback
+            from rich.markup import escape
+
             from .progress import console
 
-            console.print(f"[bold red]error:[/] {e.filename}: {e.strerror}", markup=True, highlight=False,
-                          soft_wrap=True)
+            console.print(f"[bold red]error:[/] {escape(str(e.filename))}: {e.strerror}", markup=True,
+                          highlight=False, soft_wrap=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted: nothing half-written was left behind", err=True)

@@ -52,7 +52,7 @@ import onnx
 from onnx import TensorProto
 
 from . import __version__
-from .artifacts import locked_folder, sha256_file
+from .artifacts import locked_folder, sha256_file, swap_folders
 from .errors import AndreaExportError, require
 from .progress import warn
 
@@ -525,9 +525,10 @@ def _write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend
                 _place(artifact, version / "model.onnx", hardlink)
         shutil.copyfile(manifest_path, model_dir / PROVENANCE)
         (model_dir / "config.pbtxt").write_text(config)
-        if final.exists():  # empty, or overwrite=True: move the old one aside, then swap
-            os.replace(final, tmp_root / ".old")
-        os.replace(model_dir, final)
+        if final.exists():  # empty, or overwrite=True: one swap; the old one is removed with tmp_root
+            swap_folders(model_dir, final)
+        else:
+            os.replace(model_dir, final)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
     return final
