@@ -12,6 +12,7 @@ import hashlib
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from .errors import BuildError
@@ -45,12 +46,13 @@ def staging(dest: str | Path, marker_suffix: str = ".onnx"):
     Staging folders of dead processes (kill -9) found there are removed first."""
     dest = Path(dest)
     with _made_dirs(dest):
-        tmp = _new_staging(dest, ".staging-")
+        tmp = _new_staging(dest, ".staging-", grace=60)
         try:
             yield tmp
             for f in sorted(tmp.iterdir(), key=lambda p: p.name.endswith(marker_suffix)):
                 os.replace(f, dest / f.name)
         finally:
+            _release(tmp)
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -72,10 +74,17 @@ def _lock(fd: int, shared: bool = False) -> bool:
         return False
 
 
-def _new_staging(parent: Path, prefix: str) -> Path:
-    """A new locked staging folder in `parent`, after removing the stale ones with this prefix."""
+def _new_staging(parent: Path, prefix: str, grace: float = 0.0) -> Path:
+    """A new locked staging folder in `parent`, after removing the stale ones with this prefix. `grace`:
+    spare those younger than this many seconds (where no lock keeps another run from creating one in the
+    instant between its mkdtemp and its flock)."""
+    now = time.time()
     for p in parent.iterdir():
-        if p.name.startswith(prefix) and p.name.endswith(".partial") and p.is_dir() and not p.is_symlink():
+        if not (p.name.startswith(prefix) and p.name.endswith(".partial")) or p.is_symlink() or not p.is_dir():
+            continue
+        with contextlib.suppress(OSError):
+            if now - p.stat().st_mtime < grace:
+                continue
             fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 if _lock(fd):  # nobody holds it: its owner died mid-write

@@ -259,3 +259,24 @@ def test_a_second_build_into_the_same_folder_is_refused(old_build, tiny_build, t
     assert proc.returncode == 0, proc.stdout.read()
     assert complete_build(old_build) == NEW_SEED
     no_leftovers(old_build)
+
+
+def test_staging_folders_of_dead_runs_are_removed(tmp_path):
+    """An export killed mid-write leaves `.staging-*.partial` beside its file: the next write into that
+    folder removes it, unless a live run holds it or it is too young to tell."""
+    import fcntl
+
+    dead, young, live = (tmp_path / f".staging-{n}.partial" for n in ("dead", "young", "live"))
+    for d in (dead, young, live):
+        d.mkdir()
+        (d / "model.onnx").write_bytes(b"half")
+    os.utime(dead, (time.time() - 3600,) * 2)
+    os.utime(live, (time.time() - 3600,) * 2)
+    fd = os.open(live, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as its owner holds it
+    try:
+        with artifacts.staging(tmp_path) as tmp:
+            (tmp / "x.onnx").write_bytes(b"x")
+    finally:
+        os.close(fd)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".staging-live.partial", ".staging-young.partial", "x.onnx"]
