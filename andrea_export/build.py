@@ -289,6 +289,8 @@ def build_engine(
     for p in profiles:
         if isinstance(p, Profiles):
             p.check(cfg.n_positions if cfg else None)
+            if cfg:
+                p.check_tensor_sizes(cfg)
     _check_inputs(onnx_path, graph, profiles)
     if opt_level not in OPT_LEVELS:
         raise ConfigError(f"opt_level must be an integer from 0 to 5, got {opt_level!r}")

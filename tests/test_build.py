@@ -249,6 +249,8 @@ def test_profile_beyond_context_refused_before_build(tiny_onnx, tmp_path):
     with pytest.raises(ConfigError) as e:
         build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", opt_level=6)
     assert str(e.value) == "opt_level must be an integer from 0 to 5, got 6"
+    with pytest.raises(ConfigError, match=r"profile 'batch': max 2000 .*fewer than 2\^31 per tensor: use a batch max of at most 1985"):
+        build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", profiles=Profiles.parse("batch=1:1:2000,seq=1:64:128"))
     assert _files(tmp_path) == []
 
 

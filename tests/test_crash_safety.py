@@ -253,6 +253,14 @@ def test_a_second_build_into_the_same_folder_is_refused(old_build, tiny_build, t
             run_build(new_options(old_build), force=True)
         with pytest.raises(BuildError, match="in use by another andrea-export run"):
             pipeline.verify_build(old_build)
+        from click.testing import CliRunner
+
+        from andrea_export.cli import main
+
+        r = CliRunner().invoke(main, ["package", str(old_build), "--triton", str(tmp_path / "repo"),
+                                      "--backend", "onnxruntime", "--kind", "cpu"])
+        assert r.exit_code == 1 and "is in use by another andrea-export run" in " ".join(r.output.split()), r.output
+        assert not (tmp_path / "repo").exists()
     finally:
         (gate / "go").touch()
         proc.wait(timeout=120)
