@@ -153,7 +153,7 @@ def locked_folder(folder: str | Path, shared: bool = False, create: bool = False
 
 
 @contextlib.contextmanager
-def update_folder(folder: str | Path, drop: set[str] = frozenset()):
+def update_folder(folder: str | Path, drop: "set[str] | frozenset[str]" = frozenset()):
     """Replace the contents of the locked `folder` (see locked_folder) in one step: yield an empty staging
     folder beside it; when the block succeeds, every entry of `folder` the block did not write and that is
     not named in `drop` is hard-linked into it, and it is swapped with `folder`. On any error, or an
