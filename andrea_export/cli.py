@@ -349,7 +349,8 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
         for text in prompt_ids:
             items = text.replace(",", " ").split()
             if not all(re.fullmatch(r"[0-9]+", x) for x in items):  # int() would take '١', '+1', '1_0'
-                raise click.BadParameter(f"not a list of token ids (ASCII digits): {text!r}", param_hint="--prompt-ids")
+                raise click.BadParameter(f"not a list of integers: {text!r} (token ids, ASCII digits)",
+                                         param_hint="--prompt-ids")
             prompts.append([int(x) for x in items])
     # a sampling option the chosen strategy does not use is a mistake, not something to ignore quietly
     uses = {"greedy": set(), "top-k": {"temperature", "top_k", "seed"}, "top-p": {"temperature", "top_p", "seed"}}

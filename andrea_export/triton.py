@@ -91,6 +91,19 @@ def model_config_pb2():
     return require("tritonclient.grpc.model_config_pb2", "triton", "Writing a Triton model configuration")
 
 
+def check_name(name: str) -> str:
+    """A Triton model name is a folder name: a safe charset and a bounded length, or PackageError."""
+    if len(name) > MAX_NAME:
+        raise PackageError(f"the model name is {len(name)} characters long; Triton model names (folder names) "
+                           f"may have at most {MAX_NAME} here")
+    if not _NAME_RE.fullmatch(name):
+        raise PackageError(
+            f"'{name}' is not a usable Triton model name: use letters, digits, '_', '-' and '.', "
+            "not starting with '.' or '-'"
+        )
+    return name
+
+
 def _reading_build(fn):
     """Hold a shared lock on the build folder while it is read, so that no build replaces it meanwhile."""
 
@@ -198,14 +211,7 @@ def write_triton_repo(
     precision = manifest.get("precision", "fp32")
     model_name = manifest["model"].get("name", "andrea")
     name = name or f"{model_name}-{precision}-{'trt' if backend == 'tensorrt' else 'onnx'}"
-    if len(name) > MAX_NAME:
-        raise PackageError(f"the model name is {len(name)} characters long; Triton model names (folder names) "
-                           f"may have at most {MAX_NAME} here")
-    if not _NAME_RE.fullmatch(name):
-        raise PackageError(
-            f"'{name}' is not a usable Triton model name: use letters, digits, '_', '-' and '.', "
-            "not starting with '.' or '-'"
-        )
+    check_name(name)
 
     cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=max_batch_size)
     batch_dims = 1 if max_batch_size > 0 else 0

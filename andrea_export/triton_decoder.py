@@ -42,12 +42,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import __version__
-from .triton import (MANIFEST, PLATFORM, PackageError, _artifact_file, _builder, _NAME_RE, _onnx_io, _triton_type,
-                     _write_model_dir, config_text, model_config_pb2, read_manifest)
+from .triton import (MANIFEST, PLATFORM, PackageError, _artifact_file, _builder, _onnx_io, _triton_type,
+                     _reading_build, _write_model_dir, check_name, config_text, model_config_pb2, read_manifest)
 
 DEFAULT_IDLE_US = 60_000_000  # a sequence idle for a minute is ended and its cache slot freed
 
 
+@_reading_build
 def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None,
                          backend: str = "auto", instances: int = 1, kind: str = "gpu",
                          max_sequence_idle_us: int = DEFAULT_IDLE_US, overwrite: bool = False,
@@ -104,8 +105,7 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
     """The ModelConfig message for the decoder graph `graph` (names, types and dims read from it)."""
     from .kvcache import check_decoder_onnx
 
-    if not _NAME_RE.fullmatch(name):
-        raise PackageError(f"'{name}' is not a usable Triton model name: use letters, digits, '_', '-' and '.'")
+    check_name(name)
     layout = check_decoder_onnx(graph)  # the graph's I/O is the recorded layout: names, order, ranks
     inputs, outputs = _onnx_io(graph)
     cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=1)
