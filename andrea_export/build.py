@@ -34,7 +34,8 @@ import onnx
 
 from .artifacts import atomic_path, sha256_file, write_text_atomic
 from .config import ModelConfig
-from .errors import BuildError, ConfigError, MissingDependency, installed, require
+from .errors import BuildError, ConfigError, ExportError, MissingDependency, installed, require
+from .external_data import external_data_files
 from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from .progress import console, warn
 
@@ -500,6 +501,10 @@ def _read_graph(path: Path) -> onnx.ModelProto:
         graph = onnx.load(str(path), load_external_data=False)
     except Exception as e:  # protobuf's DecodeError has no public type
         raise BuildError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
+    try:  # the parser reads the weights files itself, and follows a symlink out of the folder
+        external_data_files(path, graph)
+    except ExportError as e:
+        raise BuildError(str(e)) from None
     if not graph_inputs(graph):
         raise BuildError(f"{path}: the graph has no inputs")
     return graph

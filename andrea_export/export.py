@@ -90,6 +90,7 @@ def export_program(
         )
         if edit is not None:
             edit(program.model)
+        _drop_stack_traces(program.model)
         meta = {CONFIG_KEY: json.dumps(module.cfg.to_dict(), sort_keys=True),
                 WEIGHTS_KEY: json.dumps(getattr(module, "weights_source", {}), sort_keys=True), **(metadata or {})}
         program.model.metadata_props.update(meta)
@@ -98,6 +99,16 @@ def export_program(
         program.save(tmp / out.name, external_data=external_data)
         (check or check_onnx)(tmp / out.name)
     return out
+
+
+def _drop_stack_traces(ir_model) -> None:
+    """The exporter records each node's Python stack trace, with the source paths of the machine that ran it:
+    without them the same model gives the same bytes wherever it is exported, and a graph of the tiny model
+    is half the size (the weights themselves are stored once per folder: external_data.py)."""
+    import onnx_ir as ir
+
+    for node in ir.traversal.RecursiveGraphIterator(ir_model.graph):
+        node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
 def op_counts(model: onnx.ModelProto) -> Counter:

@@ -129,17 +129,23 @@ def kv_layout(cfg: ModelConfig) -> KVLayout:
 
 
 def check_onnx(path: str | Path) -> onnx.ModelProto:
-    """Full onnx.checker check and strict shape inference of a file; returns the model (weights not loaded)."""
+    """Full onnx.checker check and strict shape inference of a file, and of where its external weights
+    are (external_data.external_data_files); returns the model (weights not loaded)."""
+    from .external_data import external_data_files
+
     path = Path(path)
     if not path.is_file():
         raise ExportError(f"{path}: no such ONNX file")
     try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # a protobuf parse error has no public type
+        raise ExportError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
+    external_data_files(path, model)  # weights files: plain names beside it, one link, byte ranges inside them
+    try:
         onnx.checker.check_model(str(path), full_check=True)
     except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
         raise ExportError(f"{path}: not a valid ONNX model: {str(e).splitlines()[0]}") from None
-    except Exception as e:  # a protobuf parse error has no public type
-        raise ExportError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
-    return onnx.load(str(path), load_external_data=False)
+    return model
 
 
 def read_metadata(path: str | Path) -> dict[str, str]:

@@ -38,6 +38,7 @@ def _describe_onnx(path: Path) -> dict:
     import onnx
 
     from .export import check_onnx, op_counts
+    from .external_data import external_data_files
 
     model = check_onnx(path)
 
@@ -50,9 +51,10 @@ def _describe_onnx(path: Path) -> dict:
         return out
 
     meta = {p.key: p.value for p in model.metadata_props}
-    data = path.with_name(path.name + ".data")
+    weights = external_data_files(path, model)
     return {"kind": "onnx", "path": str(path),
-            "bytes": path.stat().st_size + (data.stat().st_size if data.is_file() else 0),
+            "bytes": path.stat().st_size + sum(weights.values()),
+            "weights_files": weights,
             "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
             "inputs": io(model.graph.input), "outputs": io(model.graph.output),
             "nodes": dict(sorted(op_counts(model).items(), key=lambda kv: -kv[1])),

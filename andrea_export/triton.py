@@ -423,21 +423,13 @@ def _check_vocab(path: Path, outputs: dict, manifest: dict) -> None:
 
 
 def _external_data(path: Path) -> list[str]:
-    """Relative locations of the weight files an ONNX file refers to (none when self-contained)."""
-    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+    """Names of the weight files an ONNX file points into, checked (none when self-contained)."""
+    from .external_data import external_data_files
 
-    model = onnx.load(str(path), load_external_data=False)
-    tensors = list(model.graph.initializer)
-    for node in model.graph.node:
-        tensors += [a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR]
-    locations = sorted({ExternalDataInfo(t).location for t in tensors if uses_external_data(t)})
-    for loc in locations:
-        p = Path(loc)
-        if p.is_absolute() or ".." in p.parts:
-            raise PackageError(f"{path}: external data location '{loc}' is not a plain relative path")
-        if not (path.parent / loc).is_file():
-            raise PackageError(f"{path}: its weight file '{loc}' is missing beside it")
-    return locations
+    try:
+        return sorted(external_data_files(path))
+    except AndreaExportError as e:
+        raise PackageError(str(e)) from None
 
 
 # ------------------------------------------------------------------------------------ config contents
