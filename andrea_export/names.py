@@ -5,6 +5,7 @@ pulling in torch."""
 INPUT_IDS = "input_ids"  # int64 [batch, tokens]
 ATTENTION_MASK = "attention_mask"  # int64 [batch, past + tokens] (KV-cache decoder)
 LOGITS = "logits"  # float32 [batch, tokens, vocab], whatever the graph's precision
+WEIGHTS_FILE = "weights.{}.data"  # a build folder's weights of one precision, shared by its graphs (external_data.py)
 
 CONFIG_KEY = "andrea.config"  # the ModelConfig, JSON (ONNX metadata and safetensors metadata)
 WEIGHTS_KEY = "andrea.weights"  # where the weights came from: a checkpoint (sha256) or a seeded random init

@@ -22,7 +22,7 @@ from . import __version__
 from .artifacts import locked_folder, sha256_file, update_folder, write_text_atomic
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
-from .names import INPUT_IDS
+from .names import INPUT_IDS, WEIGHTS_FILE
 from .progress import console, step, warn
 
 SCHEMA_VERSION = 1
@@ -211,24 +211,11 @@ def _claim(out: Path, opts: BuildOptions, force: bool) -> None:
 
 def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path) -> dict:
     from .build import build_engine
-    from .export import export_onnx
-    from .passes.gelu_plugin import apply_gelu_plugin
-    from .precision import convert_precision
 
     cfg = model.cfg
     artifacts: dict[str, str] = {}
-    export_onnx(model, tmp / "model.onnx")
-    standard = tmp / "model.onnx"
-    if opts.precision != "fp32":
-        with step(f"Converting the graph to {opts.precision} (LayerNorm and softmax stay float32)"):
-            standard = convert_precision(tmp / "model.onnx", tmp / f"model.{opts.precision}.onnx", opts.precision)
-        artifacts["onnx_fp32"] = "model.onnx"
-    artifacts["onnx"] = standard.name
-    with step("Handing every tanh-GELU to the plugin (graph pass)"):
-        plugin_report = apply_gelu_plugin(standard, tmp / standard.name.replace(".onnx", ".plugin.onnx"),
-                                          fuse_bias=opts.fuse_bias)
-    artifacts["onnx_plugin"] = plugin_report.path.name
-    console.print(f"  {plugin_report.summary()}")
+    plugin_report = _export_graphs(tmp, model, opts, builder, artifacts)
+    _share_weights(tmp, opts.precision, artifacts)
 
     # TensorRT builds the plugin graph (our kernel in the engine); TensorRT-RTX, which has no plugin
     # layers, the standard graph (native GELU).
@@ -242,7 +229,7 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
             artifacts[role] = Path(path).name
 
     if opts.decoder:
-        _build_decoder(tmp, model, opts, builder, artifacts, timing_cache)
+        _build_decoder_engine(tmp, model, opts, builder, artifacts, timing_cache)
     report = _verify(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes, opts.greedy_steps)
     report.save(tmp / "verify.json")
     artifacts["verify_report"] = "verify.json"
@@ -269,27 +256,64 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     }
 
 
-def _build_decoder(tmp: Path, model, opts, builder: str, artifacts: dict, timing_cache) -> None:
-    """The KV-cache decoder graph (in the build's precision; its cache too), its plugin graph for
-    TensorRT, and its engine with two optimization profiles (prefill: no past; decode: one token)."""
-    from .build import build_engine
-    from .genai import write_genai_config
-    from .kvcache import export_decoder_onnx, optimization_profiles
+def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
+    """Every ONNX graph of the build: the standard graph (and its fp32 source), the plugin graph, and the
+    KV-cache decoder (in the build's precision; its plugin graph for TensorRT). Returns the plugin report."""
+    from .export import export_onnx
     from .passes.gelu_plugin import apply_gelu_plugin
     from .precision import convert_precision
 
-    with step("Exporting the KV-cache decoder graph"):
-        decoder = export_decoder_onnx(model, tmp / "decoder.onnx", quiet=True)
+    export_onnx(model, tmp / "model.onnx")
+    standard = tmp / "model.onnx"
     if opts.precision != "fp32":
-        artifacts["decoder_onnx_fp32"] = decoder.name
-        decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
-    artifacts["decoder_onnx"] = decoder.name
-    artifacts["genai_config"] = write_genai_config(decoder).name  # onnxruntime_genai.Model(build_dir) runs it
-    source = decoder
-    if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
-        source = apply_gelu_plugin(decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"),
-                                   fuse_bias=opts.fuse_bias).path
-        artifacts["decoder_onnx_plugin"] = source.name
+        with step(f"Converting the graph to {opts.precision} (LayerNorm and softmax stay float32)"):
+            standard = convert_precision(tmp / "model.onnx", tmp / f"model.{opts.precision}.onnx", opts.precision)
+        artifacts["onnx_fp32"] = "model.onnx"
+    artifacts["onnx"] = standard.name
+    with step("Handing every tanh-GELU to the plugin (graph pass)"):
+        plugin_report = apply_gelu_plugin(standard, tmp / standard.name.replace(".onnx", ".plugin.onnx"),
+                                          fuse_bias=opts.fuse_bias)
+    artifacts["onnx_plugin"] = plugin_report.path.name
+    console.print(f"  {plugin_report.summary()}")
+    if opts.decoder:
+        from .genai import write_genai_config
+        from .kvcache import export_decoder_onnx
+
+        with step("Exporting the KV-cache decoder graph"):
+            decoder = export_decoder_onnx(model, tmp / "decoder.onnx", quiet=True)
+        if opts.precision != "fp32":
+            artifacts["decoder_onnx_fp32"] = decoder.name
+            decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
+        artifacts["decoder_onnx"] = decoder.name
+        artifacts["genai_config"] = write_genai_config(decoder).name  # onnxruntime_genai.Model(build_dir) runs it
+        if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
+            artifacts["decoder_onnx_plugin"] = apply_gelu_plugin(
+                decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"), fuse_bias=opts.fuse_bias).path.name
+    return plugin_report
+
+
+def _share_weights(tmp: Path, precision: str, artifacts: dict) -> None:
+    """One weights file per precision, shared by that precision's graphs (the fp32 sources of an
+    fp16/bf16 build are the other precision): a folder holds each weight once, not once per graph."""
+    from .external_data import share_weights
+
+    by_precision: dict[str, list[Path]] = {}
+    for role, name in artifacts.items():
+        if name.endswith(".onnx"):
+            by_precision.setdefault("fp32" if role.endswith("_fp32") else precision, []).append(tmp / name)
+    with step("Storing the weights once per precision, shared by the graphs"):
+        for p in sorted(by_precision, key=lambda p: p != precision):
+            shared = share_weights(by_precision[p], tmp / WEIGHTS_FILE.format(p))
+            artifacts["weights" if p == precision else f"weights_{p}"] = shared.path.name
+            console.print(f"  {shared.summary()}")
+
+
+def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict, timing_cache) -> None:
+    """The decoder's engine with two optimization profiles (prefill: no past; decode: one token)."""
+    from .build import build_engine
+    from .kvcache import optimization_profiles
+
+    source = tmp / artifacts.get("decoder_onnx_plugin", artifacts["decoder_onnx"])
     result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
                           opt_level=opts.opt_level, workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
                           compute_capabilities=opts.compute_capabilities)

@@ -6,7 +6,9 @@ from click.testing import CliRunner
 
 from andrea_export.artifacts import sha256_file
 from andrea_export.cli import main
+from andrea_export.config import ModelConfig
 from andrea_export.errors import BuildError, ConfigError
+from andrea_export.external_data import external_data_files
 from andrea_export.pipeline import BuildOptions, read_manifest, run_build, verify_build
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
@@ -28,6 +30,23 @@ def test_build_folder_contract(tiny_build):
     assert manifest["profiles"] == [{"input_ids": {"min": [1, 1], "opt": [1, 128], "max": [8, 128]}}]
     assert manifest["plugin"]["id"] == "andrea::TanhGelu" and manifest["plugin"]["calls"] == 2
     assert {"torch", "onnx", "onnxruntime", "polygraphy"} <= set(manifest["environment"]["packages"])
+
+
+def _onnx_part(folder) -> int:
+    """Bytes of the graphs and their weight files in a build folder (engines and reports left out)."""
+    return sum(p.stat().st_size for p in folder.iterdir() if p.suffix in (".onnx", ".data"))
+
+
+def test_the_graphs_store_the_weights_once(tiny_build):
+    """model.onnx, model.plugin.onnx and decoder.onnx hold the same tensors: within 1.1x of the weights
+    (three copies before the weights were shared; the slow test in test_external_data checks full size)."""
+    out, manifest = tiny_build
+    weights = ModelConfig.from_dict(manifest["model"]).n_params * 4
+    assert _onnx_part(out) <= 1.1 * weights, f"{_onnx_part(out)} bytes of ONNX for {weights} bytes of weights"
+    artifacts = manifest["artifacts"]
+    assert artifacts["weights"]["path"] == "weights.fp32.data" and artifacts["weights"]["bytes"] < 1.01 * weights
+    for role in ("onnx", "onnx_plugin", "decoder_onnx"):
+        assert external_data_files(out / artifacts[role]["path"]) == {"weights.fp32.data": artifacts["weights"]["bytes"]}
 
 
 def test_engine_unverified_is_said_plainly_on_a_cpu(tiny_build):
@@ -69,6 +88,12 @@ def test_fp16_build_without_decoder(tmp_path):
     assert manifest["artifacts"]["onnx"]["path"] == "model.fp16.onnx"
     assert manifest["artifacts"]["onnx_fp32"]["path"] == "model.onnx"
     assert "decoder_onnx" not in manifest["artifacts"]
+    # each precision's weights once: fp16 for the fp16 graphs, fp32 for their fp32 source
+    assert manifest["artifacts"]["weights"]["path"] == "weights.fp16.data"
+    assert manifest["artifacts"]["weights_fp32"]["path"] == "weights.fp32.data"
+    assert list(external_data_files(out / "model.fp16.plugin.onnx")) == ["weights.fp16.data"]
+    assert list(external_data_files(out / "model.onnx")) == ["weights.fp32.data"]
+    assert _onnx_part(out) <= 1.1 * ModelConfig.from_dict(manifest["model"]).n_params * (4 + 2)
     report = json.loads((out / "verify.json").read_text())
     assert report["tolerances"] == {"rtol": 1e-2, "atol": 1e-2}
     result = CliRunner().invoke(main, ["generate", str(out), "--prompt-ids", "1"])
@@ -128,6 +153,16 @@ def test_verify_build_again_and_tamper_detection(tiny_build, tmp_path):
         f.write(b"\0")
     with pytest.raises(BuildError, match="model.plugin.onnx changed since the build \\(sha256 differs\\); rebuild instead"):
         verify_build(copy)
+    shutil.copyfile(out / "model.plugin.onnx", copy / "model.plugin.onnx")
+    with open(copy / "weights.fp32.data", "r+b") as f:  # one weight changed, same size
+        f.seek(1000)
+        byte = f.read(1)
+        f.seek(1000)
+        f.write(bytes([byte[0] ^ 1]))
+    with pytest.raises(BuildError, match="weights.fp32.data changed since the build"):
+        verify_build(copy)
+    result = CliRunner().invoke(main, ["inspect", str(copy), "--json"])
+    assert json.loads(result.output)["integrity"] == "CHANGED since the build: weights.fp32.data"
 
 
 def test_cli_build_and_inspect(tiny_build):

@@ -402,7 +402,16 @@ def test_a_real_build_folder_is_packaged(real_build, tmp_path):
     assert [(o.name, pb.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output] == [
         ("logits", "TYPE_FP32", [-1, ANDREA_TINY.vocab_size])
     ]
-    sess = ort.InferenceSession(str(model_dir / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
-    assert sess.run(["logits"], {"input_ids": _ids(2, 4)})[0].shape == (2, 4, ANDREA_TINY.vocab_size)
+    # the build's graphs share one weights file: Triton's multi-file form, both files hard links to the build's
+    version = model_dir / "1"
+    assert sorted(p.relative_to(version).as_posix() for p in version.rglob("*")) == [
+        "model.onnx", "model.onnx/model.onnx", "model.onnx/weights.fp32.data",
+    ]
+    for name in ("model.onnx", "weights.fp32.data"):
+        assert os.path.samefile(version / "model.onnx" / name, real_build / name)
+    sess = ort.InferenceSession(str(version / "model.onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
+    ids = _ids(2, 4)
+    original = ort.InferenceSession(str(real_build / "model.onnx"), providers=["CPUExecutionProvider"])
+    np.testing.assert_array_equal(sess.run(["logits"], {"input_ids": ids})[0], original.run(["logits"], {"input_ids": ids})[0])
     with pytest.raises(PackageError, match="the engine was built by TensorRT-RTX"):
         write_triton_repo(real_build, tmp_path / "repo", backend="tensorrt")
