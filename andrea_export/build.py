@@ -9,6 +9,7 @@ each other, and the code branches only where they differ:
 | targets | the building GPU | the compute capabilities set in the config |
 | timing cache | loaded, used, saved | a documented no-op (deprecated in RTX 1.2): not written |
 | layer report | engine inspector (JSON) | engine inspector needs an RTX GPU; else the builder's own layer log |
+| weight-stripped plan (`strip_weights`) | STRIP_PLAN + REFIT_IDENTICAL; refit from the ONNX at load | refused: its CPU builder fails with these flags |
 
 Both are strongly typed: precision comes from the ONNX graph (see precision.py), never from flags. On
 TensorRT 10.x that is opt-in, so every network is created with `network_flags(trt)`.
@@ -231,6 +232,7 @@ class BuildResult:
     layer_report_source: str  # "engine inspector" / "builder log (engine inspector not available: ...)"
     timing_cache: Path | None
     warnings: list[str] = dataclasses.field(default_factory=list)
+    weights_stripped: bool = False  # the plan holds no weights: refit from `onnx` at load (refit_stripped)
 
     def to_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -260,6 +262,7 @@ def build_engine(
     workspace_mb: int | None = None,
     timing_cache: str | Path | None = None,
     compute_capabilities: Sequence[str] | None = None,
+    strip_weights: bool = False,
     progress: bool = True,
 ) -> BuildResult:
     """Build `plan_path` from `onnx_path` and write its sidecar and layer report. See the module doc.
@@ -271,12 +274,18 @@ def build_engine(
     timing_cache: file loaded when present and saved after the build (TensorRT only).
     compute_capabilities: TensorRT-RTX targets such as ["8.6", "8.9", "12.0"]; default the builder's
         own (8.0, 8.6, 8.9, 12.0 and later). "7.5" (Turing) must be alone and needs an fp16 graph.
+    strip_weights: TensorRT only: a weight-stripped plan (BuilderFlag STRIP_PLAN + REFIT_IDENTICAL) for
+        shipping beside the ONNX weights; `refit_stripped` puts the weights back at load. TensorRT-RTX's
+        ahead-of-time CPU builder fails with these flags (its compiler needs CUDA; checked with 1.7), so
+        it is refused there.
     """
     onnx_path, plan_path = Path(onnx_path), Path(plan_path)
     builder = resolve_builder(builder)
     trt = trt_module(builder)
     rtx = builder == "tensorrt-rtx"
     name = _NAMES[builder]
+    if strip_weights and rtx:
+        raise ConfigError(STRIP_REFUSED_RTX)
 
     # Everything that can be checked without TensorRT is checked before it starts.
     graph = _read_graph(onnx_path)
@@ -349,6 +358,9 @@ def build_engine(
         config.clear_flag(trt.BuilderFlag.TF32)
     if workspace_mb is not None:
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
+    if strip_weights:  # the plan keeps no weight the ONNX can give back; refit with those same weights at load
+        config.set_flag(trt.BuilderFlag.STRIP_PLAN)
+        config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
     for p in profiles:
         prof = b.create_optimization_profile()
         if isinstance(p, Profiles):
@@ -399,7 +411,7 @@ def build_engine(
                 tf32=bool(config.get_flag(trt.BuilderFlag.TF32)),
                 compute_capabilities=list(ccs), compute_capabilities_default=ccs_default, plugin_layers=plugin_layers,
                 layer_report=lr, layer_report_source=source, timing_cache=Path(timing_cache) if cache else None,
-                warnings=warnings,
+                warnings=warnings, weights_stripped=strip_weights,
             )
             written.append(write_text_atomic(result.sidecar, json.dumps(result.to_dict(), indent=1)))
     except BaseException:
@@ -410,6 +422,48 @@ def build_engine(
         if progress:
             warn(w)
     return result
+
+
+STRIP_REFUSED_RTX = (
+    "weight-stripped engines (--strip-weights) need full TensorRT on a GPU host (--builder tensorrt): "
+    "TensorRT-RTX's ahead-of-time CPU builder fails with BuilderFlag STRIP_PLAN or REFIT (its compiler needs "
+    "CUDA: MyelinCheckException, checked with TensorRT-RTX 1.7); build without --strip-weights here"
+)
+
+
+def refit_stripped(trt, engine, plan_path: str | Path, info: dict, logger=None) -> bool:
+    """Put the weights back into a weight-stripped `engine` (deserialized from `plan_path`, whose sidecar is
+    `info`) from the ONNX it was built from, beside the plan; returns whether it had to. GPU hosts only.
+
+    The sidecar is untrusted: its `onnx` must be a plain file name beside the plan, and that graph's
+    weights files are checked (external_data_files) before TensorRT's parser reads them."""
+    if not info.get("weights_stripped"):
+        return False
+    plan_path = Path(plan_path)
+    name = str(info.get("onnx", ""))
+    if not name or Path(name).name != name or name in (".", ".."):
+        raise BuildError(f"{plan_path}: weight-stripped engine, but its sidecar names the graph to refit from as "
+                         f"{name!r}, not a file name beside it")
+    graph = plan_path.parent / name
+    try:
+        external_data_files(graph)
+    except ExportError as e:
+        raise BuildError(f"{plan_path}: cannot refit its weights: {e}") from None
+    if info.get("plugin_layers"):
+        require("andrea_export.plugin.register", "tensorrt", "Refitting a plugin engine").register_plugins()
+    logger = logger or _make_logger(trt)
+    refitter = trt.Refitter(engine, logger)
+    parser = trt.OnnxParserRefitter(refitter, logger)
+    if not parser.refit_from_file(str(graph)):
+        errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors)) or "no reason given"
+        raise BuildError(f"{plan_path}: refitting its weights from {name} failed: {errors}")
+    missing = refitter.get_missing_weights()
+    if missing:
+        raise BuildError(f"{plan_path}: {name} does not give every weight the engine needs (missing: "
+                         f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}): not the graph it was built from")
+    if not refitter.refit_cuda_engine():
+        raise BuildError(f"{plan_path}: TensorRT could not refit the engine from {name} (see the log above)")
+    return True
 
 
 def _expected_warning(message: str) -> bool:

@@ -205,11 +205,14 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
 @click.option("--decoder/--no-decoder", default=None,
               help="Also build the KV-cache decoder graph and its engine (prefill + decode profiles), which "
                    "`generate` and production runtimes use. [default: yes]")
+@click.option("--strip-weights/--no-strip-weights", default=None,
+              help="Weight-stripped engines for shipping beside the ONNX weights, refitted from them at load "
+                   "(full TensorRT on a GPU host only; TensorRT-RTX's CPU builder rejects it). [default: no]")
 @click.option("--out", default=None, help="Build folder. [default: out/<model>-<precision>]")
 @click.option("--force", is_flag=True, help="Replace a folder that holds another build.")
 @_user_errors
 def build(build_config, checkpoint, config, seed, precision, builder, profiles, opt_level, workspace_mb,
-          compute_capabilities, timing_cache, fuse_bias, decoder, out, force):
+          compute_capabilities, timing_cache, fuse_bias, decoder, strip_weights, out, force):
     """Checkpoint -> ONNX -> plugin graph -> TensorRT engine -> Polygraphy verification -> build folder.
 
     \b
@@ -231,7 +234,8 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
     overrides = dict(checkpoint=str(checkpoint) if checkpoint else None, config=config, seed=seed,
                      precision=precision, builder=builder, profiles=profiles, opt_level=opt_level,
                      workspace_mb=workspace_mb, compute_capabilities=list(compute_capabilities) or None,
-                     timing_cache=timing_cache, fuse_bias=fuse_bias, decoder=decoder, out=out)
+                     timing_cache=timing_cache, fuse_bias=fuse_bias, decoder=decoder, strip_weights=strip_weights,
+                     out=out)
     if build_config:
         opts = BuildOptions.from_toml(build_config, **overrides)
     else:

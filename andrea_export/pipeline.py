@@ -45,6 +45,7 @@ class BuildOptions:
     timing_cache: str | None = None  # default: <out>/timing.cache, reused by later builds into the same folder
     fuse_bias: bool = False  # plugin graph: fold the MLP bias Add into the plugin (TanhGeluBias)
     decoder: bool = True  # also the KV-cache decoder graph and its engine (prefill + decode profiles)
+    strip_weights: bool = False  # TensorRT (GPU host) only: weight-stripped engines, refitted from the ONNX at load
     verify_shapes: list[list[int]] | None = None  # [[batch, seq], ...]; default: verify.default_shapes
     greedy_steps: int = 32
     out: str | None = None  # default: out/<model>-<precision>
@@ -83,7 +84,7 @@ class BuildOptions:
         for f in ("config", "checkpoint", "profiles", "timing_cache", "out"):
             if getattr(self, f) is not None and not isinstance(getattr(self, f), str):
                 bad(f, "a string")
-        for f in ("fuse_bias", "decoder"):
+        for f in ("fuse_bias", "decoder", "strip_weights"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "true or false")
         if not is_int(self.seed) or self.seed < 0:
@@ -136,6 +137,10 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
         _check_for_model(opts, cfg)
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
+    if opts.strip_weights and builder == "tensorrt-rtx":
+        from .build import STRIP_REFUSED_RTX
+
+        raise ConfigError(STRIP_REFUSED_RTX)
     model = _load_model(opts, cfg)
     cfg = model.cfg
     profiles = _check_for_model(opts, cfg)
@@ -222,7 +227,7 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     source = tmp / (artifacts["onnx_plugin"] if builder == "tensorrt" else artifacts["onnx"])
     result = build_engine(source, tmp / "model.plan", builder=builder, profiles=profiles, opt_level=opts.opt_level,
                           workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
-                          compute_capabilities=opts.compute_capabilities)
+                          compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)
     artifacts["engine"] = "model.plan"
     for role, path in (("engine_info", result.sidecar), ("layer_report", result.layer_report)):
         if path is not None and Path(path).is_file():
@@ -246,6 +251,7 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
                     "compute_capabilities_default": result.compute_capabilities_default,
                     "opt_level": result.opt_level, "tf32": result.tf32, "workspace_mb": result.workspace_mb,
                     "build_seconds": result.build_seconds, "plugin_layers": result.plugin_layers,
+                    "weights_stripped": result.weights_stripped,
                     "source_graph": source.name, "warnings": result.warnings},
         "profiles": [_profile_shapes(p) for p in profiles],
         "plugin": _plugin_info(plugin_report, builder),
@@ -316,7 +322,7 @@ def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict,
     source = tmp / artifacts.get("decoder_onnx_plugin", artifacts["decoder_onnx"])
     result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
                           opt_level=opts.opt_level, workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
-                          compute_capabilities=opts.compute_capabilities)
+                          compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)
     artifacts["decoder_engine"] = "decoder.plan"
     for role, path in (("decoder_engine_info", result.sidecar), ("decoder_layer_report", result.layer_report)):
         if path is not None and Path(path).is_file():
@@ -429,7 +435,14 @@ def _engine_runner(plan: Path, info: dict):
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    return TrtRunner(EngineFromBytes(BytesFromPath(str(plan))), name="engine"), ""
+    from .build import refit_stripped, trt_module
+
+    def engine():  # a weight-stripped engine gets its weights back from the ONNX beside it
+        e = EngineFromBytes(BytesFromPath(str(plan)))()
+        refit_stripped(trt_module(info["builder"]), e, plan, info)
+        return e
+
+    return TrtRunner(engine, name="engine"), ""
 
 
 def _status(report) -> str:

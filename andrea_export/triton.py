@@ -285,11 +285,17 @@ def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) ->
     artifacts = manifest["artifacts"]
     have = ", ".join(sorted(artifacts)) or "none"
     rtx_engine = "engine" in artifacts and _builder(manifest)[0] == "tensorrt-rtx"
+    stripped = "engine" in artifacts and bool((manifest.get("builder") or {}).get("weights_stripped"))
     if backend == "auto":
-        if "engine" in artifacts and not rtx_engine and kind == "gpu":
+        if "engine" in artifacts and not rtx_engine and not stripped and kind == "gpu":
             return "tensorrt"
         if "onnx" in artifacts:
             return "onnxruntime"
+    elif backend == "tensorrt" and stripped:
+        raise PackageError(
+            f"{build_dir}: the engine is weight-stripped (--strip-weights), and Triton's TensorRT backend does not "
+            "refit engines at load; rebuild without --strip-weights to serve it, or serve the ONNX (--backend onnxruntime)"
+        )
     elif backend == "tensorrt" and kind == "cpu":
         raise PackageError("a TensorRT engine runs on GPUs only: use kind='gpu' (--kind gpu) or backend='onnxruntime'")
     elif backend == "tensorrt" and rtx_engine:

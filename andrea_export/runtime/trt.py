@@ -98,6 +98,22 @@ def _ok(cudart, result, what: str):
     return values[0] if len(values) == 1 else values
 
 
+def _refit_if_stripped(trt, engine, engine_path: Path) -> None:
+    """A weight-stripped engine (its .plan.json says so) gets its weights from the ONNX beside it. The
+    build module (refit_stripped) is imported only then: a runtime loads without the build machinery."""
+    import json
+
+    side = Path(str(engine_path) + ".json")  # build.sidecar_path
+    try:
+        info = json.loads(side.read_text()) if side.is_file() else {}
+    except ValueError as e:
+        raise InputError(f"{side}: not valid JSON ({e})") from None
+    if isinstance(info, dict) and info.get("weights_stripped"):
+        from ..build import refit_stripped
+
+        refit_stripped(trt, engine, engine_path, info)
+
+
 class TrtSession(SerialSession):
     backend = "tensorrt"
 
@@ -116,6 +132,7 @@ class TrtSession(SerialSession):
         self.engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
         if self.engine is None:
             raise InputError(f"{engine_path}: TensorRT could not deserialize this engine (see the log above)")
+        _refit_if_stripped(trt, self.engine, Path(engine_path))
         self._check_engine()
         self.dtypes = self._engine_dtypes()  # tensor name -> numpy dtype, as the engine declares it
         # the cache's element type is the engine's (fp16/bf16 builds), whatever graph the layout was read from
