@@ -164,7 +164,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise BuildError(f"no space left on the device while writing the build into {out}; nothing was left "
-                             "behind: free some space (an fp32 ANDREA-120M build takes about 2.5 GB, twice that "
+                             "behind: free some space (an fp32 ANDREA-120M build takes about 1.5 GB, twice that "
                              "while it is staged) and run it again") from None
         raise
     return manifest

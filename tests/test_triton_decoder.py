@@ -4,6 +4,7 @@ describes (implicit state fed from present to past, one zeroed masked slot at a 
 replayed in ONNX Runtime on the packaged file and must decode like our runtime."""
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -34,8 +35,10 @@ def _np_dtype(triton_type):
 
 def test_config_names_exactly_the_decoder_io(packaged, lively_build):
     model_dir, cfg = packaged
-    graph = model_dir / "1" / "model.onnx"
-    assert graph.read_bytes() == (lively_build / "decoder.onnx").read_bytes()
+    graph = model_dir / "1" / "model.onnx" / "model.onnx"  # Triton's multi-file form: the graph and its weights
+    assert sorted(p.name for p in graph.parent.iterdir()) == ["model.onnx", "weights.fp32.data"]
+    assert os.path.samefile(graph, lively_build / "decoder.onnx")  # hard links to the build's files
+    assert os.path.samefile(graph.parent / "weights.fp32.data", lively_build / "weights.fp32.data")
     layout = check_decoder_onnx(graph)
     m = onnx.load(str(graph), load_external_data=False)
     assert (cfg.name, cfg.platform, cfg.max_batch_size) == ("andrea-tiny-fp32-decoder-onnx", "onnxruntime_onnx", 1)
@@ -59,7 +62,7 @@ def test_config_names_exactly_the_decoder_io(packaged, lively_build):
 def _replay(model_dir, cfg, prompt, n, mask_slot=True):
     """What Triton does with this config, request by request: state inputs start as the initial state
     (batch 1 prepended), each request's state outputs become the next request's state inputs."""
-    sess = ort.InferenceSession(str(model_dir / "1" / "model.onnx"), providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(str(model_dir / "1" / "model.onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     seq = cfg.sequence_batching
     state = {s.input_name: np.zeros([1, *s.initial_state[0].dims], _np_dtype(s.data_type)) for s in seq.state}
     real, new, out = 0, list(prompt), []
@@ -109,6 +112,9 @@ def test_package_cli_writes_both_models(lively_build, tmp_path):
     result = CliRunner().invoke(main, ["package", str(lively_build), "--triton", str(tmp_path / "repo"), "--kind", "cpu"])
     assert result.exit_code == 0, result.output
     assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["andrea-tiny-fp32-decoder-onnx", "andrea-tiny-fp32-onnx"]
+    for model in ("andrea-tiny-fp32-decoder-onnx", "andrea-tiny-fp32-onnx"):  # both serve the one weights file
+        weights = tmp_path / "repo" / model / "1" / "model.onnx" / "weights.fp32.data"
+        assert os.path.samefile(weights, lively_build / "weights.fp32.data")
     cfg = parse_config((tmp_path / "repo" / "andrea-tiny-fp32-decoder-onnx" / "config.pbtxt").read_text())
     assert cfg.instance_group[0].kind == pb.ModelInstanceGroup.KIND_CPU
 
