@@ -10,8 +10,9 @@ onnx.load, onnx-ir; a graph loaded from bytes instead of its path cannot find it
 
 `location` is read from a file that may come from anywhere (a build folder is untrusted), so
 `external_data_files` is the check our readers apply before any reader opens it: a plain file name in
-the graph's own folder, a regular file (no symlink: TensorRT's parser follows one out of the folder),
-every byte range inside it. onnx.load and ONNX Runtime refuse `..` and absolute paths themselves.
+the graph's own folder, a regular file (no symlink: TensorRT's parser follows one out of the folder)
+with one link (onnx.load and onnx-ir refuse more: a hard link may lead anywhere), every byte range
+inside it. onnx.load and ONNX Runtime refuse `..` and absolute paths themselves.
 
 Layout of the file: tensors in first-seen order, each starting on a 64-byte boundary (4 KiB for those
 over 1 MiB, so a reader can memory-map them in place); padding is zeros.
@@ -144,7 +145,11 @@ def external_data_files(path: str | Path, model: onnx.ModelProto | None = None) 
             if f.is_symlink() or not f.is_file():
                 raise ExportError(f"{path}: the weights file '{loc}' of tensor '{t.name}' is "
                                   f"{'a symbolic link' if f.is_symlink() else 'missing'} beside the graph")
-            sizes[loc] = f.stat().st_size
+            st = f.stat()
+            if st.st_nlink > 1:  # as onnx.load and onnx-ir, which refuse it: a link may lead to any file
+                raise ExportError(f"{path}: the weights file '{loc}' has {st.st_nlink} hard links, which onnx "
+                                  "refuses (a hard-link attack guard); give the folder its own copy")
+            sizes[loc] = st.st_size
         offset = int(info.offset or 0)
         length = int(info.length) if info.length is not None else sizes[loc] - offset
         if offset < 0 or length < 0 or offset + length > sizes[loc]:

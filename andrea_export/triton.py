@@ -35,7 +35,10 @@ Decisions, and why:
 - Writing is atomic: the model folder is assembled under a temporary name (beside the repository when
   the file system allows, so a polling Triton never sees it half-made) and renamed into place. Files
   are hard-linked from the build when possible (the build's files are only ever replaced, never
-  rewritten in place), else copied; their sha256 is checked against the manifest first.
+  rewritten in place), else copied; their sha256 is checked against the manifest first. A graph's
+  weights file (external data) is always copied: onnx.load, onnx.checker and onnx-ir refuse external
+  data with several hard links (a guard against hard-link attacks), so a link would leave both the
+  build folder and the package unreadable to them (ONNX Runtime, Triton's backend, would accept it).
 """
 
 from __future__ import annotations
@@ -151,7 +154,8 @@ def write_triton_repo(
         kind: "gpu" (KIND_GPU) or "cpu" (KIND_CPU; ONNX Runtime only).
         overwrite: replace `<repo_dir>/<name>` if it exists and is not empty.
         allow_failed: package a build whose verification failed (refused by default).
-        hardlink: hard-link the artifact when on the same file system (else it is copied).
+        hardlink: hard-link the artifact when on the same file system (else it is copied); a weights
+            file is always copied (see the module doc).
     Returns:
         The model folder `<repo_dir>/<name>`.
     """
@@ -523,8 +527,8 @@ def _write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend
             if locations:  # Triton: a multi-file ONNX model is a folder named model.onnx holding model.onnx
                 (version / "model.onnx").mkdir()
                 _place(artifact, version / "model.onnx" / "model.onnx", hardlink)
-                for loc in locations:
-                    _place(artifact.parent / loc, version / "model.onnx" / loc, hardlink)
+                for loc in locations:  # copied: onnx refuses a weights file with several hard links
+                    _place(artifact.parent / loc, version / "model.onnx" / loc, hardlink=False)
             else:
                 _place(artifact, version / "model.onnx", hardlink)
         shutil.copyfile(manifest_path, model_dir / PROVENANCE)

@@ -220,6 +220,15 @@ def test_a_symlinked_weights_file_is_refused_by_every_reader(shared, tmp_path):
     assert not (tmp_path / "x.plan").exists()
 
 
+def test_a_hard_linked_weights_file_is_refused_as_onnx_does(shared, tmp_path):
+    path = _point(shared[0], tmp_path)
+    os.link(path.parent / DATA, tmp_path / "elsewhere.data")
+    with pytest.raises(Exception, match="multiple hard links"):
+        onnx.load(str(path))  # onnx's own guard, which our check mirrors with a clearer message
+    with pytest.raises(ExportError, match="'weights.fp32.data' has 2 hard links, which onnx refuses"):
+        external_data_files(path)
+
+
 def test_graphs_outside_the_weights_folder_are_refused(shared, tmp_path):
     with pytest.raises(ExportError, match="must be in the folder of its weights file"):
         share_weights([shared[0] / "model.onnx"], tmp_path / DATA)

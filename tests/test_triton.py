@@ -24,6 +24,7 @@ from onnx import TensorProto, helper
 
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import MissingDependency
+from andrea_export.export import check_onnx
 from andrea_export.triton import PackageError, parse_config, write_triton_repo
 
 pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -402,13 +403,20 @@ def test_a_real_build_folder_is_packaged(real_build, tmp_path):
     assert [(o.name, pb.DataType.Name(o.data_type), list(o.dims)) for o in cfg.output] == [
         ("logits", "TYPE_FP32", [-1, ANDREA_TINY.vocab_size])
     ]
-    # the build's graphs share one weights file: Triton's multi-file form, both files hard links to the build's
+    # the build's graphs share one weights file: Triton's multi-file form. The graph is a hard link; the
+    # weights file a copy: onnx.load and onnx-ir refuse external data with several hard links (a guard against
+    # hard-link attacks), so a link would leave the build folder (and the package) unreadable to them
     version = model_dir / "1"
     assert sorted(p.relative_to(version).as_posix() for p in version.rglob("*")) == [
         "model.onnx", "model.onnx/model.onnx", "model.onnx/weights.fp32.data",
     ]
-    for name in ("model.onnx", "weights.fp32.data"):
-        assert os.path.samefile(version / "model.onnx" / name, real_build / name)
+    assert os.path.samefile(version / "model.onnx" / "model.onnx", real_build / "model.onnx")
+    weights = version / "model.onnx" / "weights.fp32.data"
+    assert weights.read_bytes() == (real_build / "weights.fp32.data").read_bytes()
+    assert os.stat(real_build / "weights.fp32.data").st_nlink == 1
+    for graph in (real_build / "model.onnx", real_build / "decoder.onnx", version / "model.onnx" / "model.onnx"):
+        onnx.load(str(graph))  # weights included
+        check_onnx(graph)
     sess = ort.InferenceSession(str(version / "model.onnx" / "model.onnx"), providers=["CPUExecutionProvider"])
     ids = _ids(2, 4)
     original = ort.InferenceSession(str(real_build / "model.onnx"), providers=["CPUExecutionProvider"])
