@@ -64,8 +64,8 @@ def share_weights(graphs: Sequence[str | Path], data_file: str | Path, *, min_by
 
     data_file = Path(data_file)
     folder = data_file.parent
-    graphs = [Path(g) for g in graphs]
-    for g in graphs:
+    paths = [Path(g) for g in graphs]
+    for g in paths:
         if g.parent.resolve() != folder.resolve():
             raise ExportError(f"{g}: must be in the folder of its weights file {data_file}")
         external_data_files(g)  # a graph pointing outside its folder is refused before anything is read
@@ -73,7 +73,7 @@ def share_weights(graphs: Sequence[str | Path], data_file: str | Path, *, min_by
     references = referenced = 0
     staged: list[tuple[Path, onnx.ModelProto]] = []
     with atomic_path(data_file) as tmp_data, open(tmp_data, "wb") as out:
-        for g in graphs:
+        for g in paths:
             model = ir.load(g)  # external weights are memory-mapped, not read
             for graph in model.graphs():
                 for value in graph.initializers.values():
@@ -91,8 +91,8 @@ def share_weights(graphs: Sequence[str | Path], data_file: str | Path, *, min_by
                         index[key] = (offset, len(raw))
                     offset, length = index[key]
                     value.const_value = ir.ExternalTensor(
-                        data_file.name, offset, length, tensor.dtype, shape=tensor.shape, name=tensor.name,
-                        doc_string=tensor.doc_string, base_dir=folder)
+                        data_file.name, offset, length, tensor.dtype, shape=ir.Shape(tensor.shape.numpy()),
+                        name=value.name or "", doc_string=tensor.doc_string, base_dir=folder)
                     references += 1
                     referenced += length
             staged.append((g, ir.serde.serialize_model(model)))
@@ -104,11 +104,11 @@ def share_weights(graphs: Sequence[str | Path], data_file: str | Path, *, min_by
     for g, proto in staged:
         with atomic_path(g) as tmp:
             onnx.save(proto, str(tmp))
-    for g in graphs:
+    for g in paths:
         old = folder / (g.name + ".data")
         if old.name != data_file.name:
             old.unlink(missing_ok=True)
-    return SharedWeights(path=data_file, graphs=graphs, references=references, tensors=len(index), bytes=size,
+    return SharedWeights(path=data_file, graphs=paths, references=references, tensors=len(index), bytes=size,
                          referenced_bytes=referenced)
 
 
