@@ -33,6 +33,7 @@ from typing import Sequence
 import onnx
 
 from .artifacts import atomic_path, sha256_file, write_text_atomic
+from .buildfolder import metadata_json, read_engine_info
 from .config import ModelConfig
 from .errors import BuildError, ConfigError, MissingDependency, installed, require
 from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
@@ -232,7 +233,11 @@ class BuildResult:
     warnings: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict:
+        """As the sidecar records it: the plan and the layer report by file name, like `onnx` relative to the
+        plan's folder (the build is staged and then moved, and the folder itself can move)."""
         d = dataclasses.asdict(self)
+        d["plan"] = self.plan.name
+        d["layer_report"] = self.layer_report and os.path.relpath(self.layer_report, self.plan.parent)
         return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
     @property
@@ -313,7 +318,7 @@ def build_engine(
         )
     if plan_path.is_file() and sidecar_path(plan_path).is_file():
         try:
-            check_engine_compat(plan_path, json.loads(sidecar_path(plan_path).read_text()))
+            check_engine_compat(plan_path, read_engine_info(sidecar_path(plan_path)))
         except BuildError as e:
             warnings.append(f"replacing {plan_path.name}: {e}")
     if not rtx and plugin_calls:
@@ -509,7 +514,7 @@ def _graph_config(graph: onnx.ModelProto, path: Path) -> ModelConfig | None:
     meta = {p.key: p.value for p in graph.metadata_props}
     if CONFIG_KEY not in meta:
         return None  # not ours: no context limit known; TensorRT still checks what it can
-    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
+    return ModelConfig.from_dict(metadata_json(meta, CONFIG_KEY, path), source=f"{path} metadata")
 
 
 def _plugin_calls(graph: onnx.ModelProto) -> list[str]:
@@ -606,7 +611,7 @@ def _monitor(trt, show: bool, title: str):
             self._tasks: dict[str, tuple[int, int]] = {}  # phase -> (task id, depth)
             self._lock = threading.Lock()
             self._progress = (
-                Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                          console=console, transient=True)
                 if show else None
             )
@@ -691,7 +696,10 @@ def _load_timing_cache(trt, config, path: Path, builder: str):
     data = b""
     if path.is_file():
         meta_path = sidecar_path(path)
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        try:
+            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, ValueError):
+            meta = {"unreadable": str(meta_path)}  # then not this TensorRT's: a new cache
         here = {"builder": builder, "builder_version": trt.__version__, "gpu": gpu_compute_capability()}
         if meta and meta != here:
             note = f"timing cache {path} was made by {meta} and this is {here}: starting a new one"

@@ -53,13 +53,13 @@ from onnx import TensorProto
 
 from . import __version__
 from .artifacts import locked_folder, sha256_file, swap_folders
+from .buildfolder import MANIFEST, inside
+from .buildfolder import read_manifest as _read_manifest
 from .errors import AndreaExportError, require
 from .progress import warn
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 KINDS = ("gpu", "cpu")
-MANIFEST = "manifest.json"
-SCHEMA_VERSION = 1
 VERSION_DIR = "1"
 PROVENANCE = "andrea-build.json"  # copy of the build's manifest inside the model folder
 DEFAULT_ONNX_MAX_BATCH = 8  # ONNX Runtime has no profile limit; used when the manifest has no profiles
@@ -257,28 +257,8 @@ def parse_config(text: str):
 
 
 def read_manifest(build_dir: str | Path) -> dict:
-    """The build folder's manifest.json, with the fields packaging needs checked."""
-    build_dir = Path(build_dir)
-    if not build_dir.is_dir():
-        raise PackageError(f"{build_dir}: no such build folder")
-    path = build_dir / MANIFEST
-    if not path.is_file():
-        raise PackageError(
-            f"{build_dir}: no {MANIFEST}; not an andrea-export build folder (make one with `andrea-export build`)"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PackageError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict):
-        raise PackageError(f"{path}: expected a JSON object")
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise PackageError(f"{path}: schema_version {version!r} is not supported (this andrea-export reads {SCHEMA_VERSION})")
-    for key, typ in (("model", dict), ("artifacts", dict)):
-        if not isinstance(manifest.get(key), typ):
-            raise PackageError(f"{path}: '{key}' is missing or not a JSON object")
-    return manifest
+    """The build folder's manifest.json, validated (buildfolder.read_manifest) for what packaging needs."""
+    return _read_manifest(build_dir, full=False, error=PackageError)
 
 
 def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) -> str:
@@ -317,17 +297,15 @@ def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) ->
 
 def _artifact_file(build_dir: Path, manifest: dict, role: str) -> Path:
     """The artifact's file, after checking it exists and matches the manifest's sha256 and size."""
-    entry = manifest["artifacts"][role]
-    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-        raise PackageError(f"{build_dir / MANIFEST}: artifact '{role}' has no 'path'")
+    entry = manifest["artifacts"][role]  # validated: a path inside the folder, a sha256, a size
     path = build_dir / entry["path"]
     if not path.is_file():
         raise PackageError(f"{build_dir / MANIFEST}: artifact '{role}' is missing: {path}")
-    if "bytes" in entry and path.stat().st_size != entry["bytes"]:
+    if path.stat().st_size != entry["bytes"]:
         raise PackageError(
             f"{path}: {path.stat().st_size} bytes, but the manifest records {entry['bytes']}: the file changed after the build"
         )
-    if "sha256" in entry and sha256_file(path) != entry["sha256"]:
+    if sha256_file(path) != entry["sha256"]:
         raise PackageError(f"{path}: sha256 differs from the manifest's: the file changed after the build")
     return path
 
@@ -432,9 +410,7 @@ def _external_data(path: Path) -> list[str]:
         tensors += [a.t for a in node.attribute if a.type == onnx.AttributeProto.TENSOR]
     locations = sorted({ExternalDataInfo(t).location for t in tensors if uses_external_data(t)})
     for loc in locations:
-        p = Path(loc)
-        if p.is_absolute() or ".." in p.parts:
-            raise PackageError(f"{path}: external data location '{loc}' is not a plain relative path")
+        inside(path.parent, loc, f"{path}: external data location", PackageError)
         if not (path.parent / loc).is_file():
             raise PackageError(f"{path}: its weight file '{loc}' is missing beside it")
     return locations
