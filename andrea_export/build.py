@@ -20,7 +20,6 @@ Everything is written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -35,7 +34,7 @@ import onnx
 from .artifacts import atomic_path, sha256_file, write_text_atomic
 from .buildfolder import metadata_json, read_engine_info
 from .config import ModelConfig
-from .errors import BuildError, ConfigError, MissingDependency, installed, require
+from .errors import BuildError, ConfigError, MissingDependency, gpu_compute_capability, installed, require  # noqa: F401
 from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from .progress import console, warn
 
@@ -77,23 +76,6 @@ def network_flags(trt) -> int:
     """`create_network` flags for a strongly typed network. Opt-in on TensorRT 10.x, always on (and ignored)
     in 11 and TensorRT-RTX; the enum's value differs (1 on 10.x, 0 on 11), so it is taken from the enum."""
     return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-
-
-def gpu_compute_capability() -> str | None:
-    """The compute capability of GPU 0 ("8.9"), or None without a GPU and a working driver.
-
-    Asks the CUDA driver (libcuda) directly, so it needs neither torch's CUDA build nor cuda-python."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    n, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
-        return None
-    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
-    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, 0) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, 0):
-        return None
-    return f"{major.value}.{minor.value}"
 
 
 def resolve_builder(choice: str = "auto") -> str:

@@ -71,7 +71,7 @@ def _tensorrt():
 
 
 def _cudart():
-    from ..build import gpu_compute_capability
+    from ..errors import gpu_compute_capability
 
     if gpu_compute_capability() is None:  # said first: without a GPU, no CUDA package would help
         raise InputError("no GPU on this machine (or no working driver), and the TensorRT backend runs the engine on "
