@@ -33,6 +33,7 @@ def atomic_path(final: str | Path):
     tmp = Path(tmp)
     try:
         yield tmp
+        os.chmod(tmp, _FILE_MODE)  # a writer that replaces the file (safetensors does) brings its own 0600
         os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)

@@ -48,7 +48,7 @@ from .config import ModelConfig, load_config
 from .errors import AndreaExportError
 from .model import Andrea
 from .names import INPUT_IDS
-from .progress import console
+from .progress import console, styled
 
 BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin")
 DEFAULT_BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin")
@@ -969,8 +969,8 @@ def run_benchmark(
     say = (lambda *a: None) if quiet else console.print
     notes = _load_warnings(env.get("loadavg_start"), threads, at_start=True)
     for n in notes:
-        say(f"  [bold yellow]WARNING:[/] {n}")
-    say(f"[bold]benchmark[/] {cfg.name} ({cfg.n_params:,} parameters), {threads} threads, "
+        say(" ", styled("WARNING:", "bold yellow"), n)
+    say(styled("benchmark", "bold"), f"{cfg.name} ({cfg.n_params:,} parameters), {threads} threads, "
         f"{len(cases)} cases, {'quick' if quick else 'full'} mode")  # fmt: skip
     machine = {"cpu": measure_machine(threads, quick=quick)}
     say(f"  measured limits: memory {machine['cpu']['bandwidth_GBps']:.1f} GB/s, "
@@ -982,7 +982,7 @@ def run_benchmark(
         reason = b.check()
         if reason:
             info[b.name] = {"status": "skipped", "reason": reason}
-            say(f"  [yellow]skip[/] {b.name}: {reason}")
+            say(" ", styled("skip", "yellow"), f"{b.name}: {reason}")
             continue
         try:
             info[b.name] = {"status": "ok", "reason": None, "device": b.device, **b.setup(ctx)}
@@ -990,7 +990,7 @@ def run_benchmark(
             active.append(b)
         except (AndreaExportError, ImportError, RuntimeError) as e:
             info[b.name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
-            say(f"  [red]failed[/] {b.name}: {e}")
+            say(" ", styled("failed", "red"), f"{b.name}: {e}")
     if any(b.device == "cuda" for b in active) and torch.cuda.is_available():
         machine["cuda"] = measure_machine(threads, quick=quick, device="cuda")
 
@@ -1027,7 +1027,7 @@ def run_benchmark(
                 samples = run_interleaved(fns, settings, timers, on_round)
             except (RuntimeError, MemoryError) as e:  # e.g. out of memory at a large shape: keep the other cases
                 failed.append({"case": label, "backends": list(fns), "error": f"{type(e).__name__}: {e}"[:500]})
-                say(f"  [red]failed[/] {label}: {type(e).__name__}: {e}")
+                say(" ", styled("failed", "red"), f"{label}: {type(e).__name__}: {e}")
                 progress.remove_task(task)
                 progress.advance(overall)
                 continue
@@ -1127,7 +1127,7 @@ def _progress(quiet: bool):
         TimeElapsedColumn,
     )
 
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+    return Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, disable=quiet, transient=False)  # fmt: skip
 
 
@@ -1196,7 +1196,7 @@ def print_summary(doc: dict) -> None:
     for col in ("goal", "target", "value", "met", "detail"):
         table.add_column(col, overflow="fold")
     for g in doc["goals"]:
-        met = {True: "[green]yes[/]", False: "[red]NO[/]", None: "[yellow]not measured[/]"}[g["met"]]
+        met = {True: styled("yes", "green"), False: styled("NO", "red"), None: styled("not measured", "yellow")}[g["met"]]
         val = f"{g['value']:.2f}" if isinstance(g["value"], float) else "-"
         table.add_row(g["name"], g["target"], val, met, g["detail"])
     console.print(table)

@@ -21,7 +21,6 @@ Everything is written under a temporary name and renamed when complete.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import json
 import os
@@ -34,8 +33,9 @@ from typing import Sequence
 import onnx
 
 from .artifacts import atomic_path, sha256_file, write_text_atomic
+from .buildfolder import metadata_json, read_engine_info
 from .config import ModelConfig
-from .errors import BuildError, ConfigError, ExportError, MissingDependency, installed, require
+from .errors import BuildError, ConfigError, ExportError, MissingDependency, gpu_compute_capability, installed, require  # noqa: F401
 from .external_data import external_data_files
 from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from .progress import console, warn
@@ -78,23 +78,6 @@ def network_flags(trt) -> int:
     """`create_network` flags for a strongly typed network. Opt-in on TensorRT 10.x, always on (and ignored)
     in 11 and TensorRT-RTX; the enum's value differs (1 on 10.x, 0 on 11), so it is taken from the enum."""
     return 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
-
-
-def gpu_compute_capability() -> str | None:
-    """The compute capability of GPU 0 ("8.9"), or None without a GPU and a working driver.
-
-    Asks the CUDA driver (libcuda) directly, so it needs neither torch's CUDA build nor cuda-python."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    n, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
-        return None
-    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
-    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, 0) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, 0):
-        return None
-    return f"{major.value}.{minor.value}"
 
 
 def resolve_builder(choice: str = "auto") -> str:
@@ -235,7 +218,11 @@ class BuildResult:
     weights_stripped: bool = False  # the plan holds no weights: refit from `onnx` at load (refit_stripped)
 
     def to_dict(self) -> dict:
+        """As the sidecar records it: the plan and the layer report by file name, like `onnx` relative to the
+        plan's folder (the build is staged and then moved, and the folder itself can move)."""
         d = dataclasses.asdict(self)
+        d["plan"] = self.plan.name
+        d["layer_report"] = self.layer_report and os.path.relpath(self.layer_report, self.plan.parent)
         return {k: str(v) if isinstance(v, Path) else v for k, v in d.items()}
 
     @property
@@ -323,7 +310,7 @@ def build_engine(
         )
     if plan_path.is_file() and sidecar_path(plan_path).is_file():
         try:
-            check_engine_compat(plan_path, json.loads(sidecar_path(plan_path).read_text()))
+            check_engine_compat(plan_path, read_engine_info(sidecar_path(plan_path)))
         except BuildError as e:
             warnings.append(f"replacing {plan_path.name}: {e}")
     if not rtx and plugin_calls:
@@ -568,7 +555,7 @@ def _graph_config(graph: onnx.ModelProto, path: Path) -> ModelConfig | None:
     meta = {p.key: p.value for p in graph.metadata_props}
     if CONFIG_KEY not in meta:
         return None  # not ours: no context limit known; TensorRT still checks what it can
-    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
+    return ModelConfig.from_dict(metadata_json(meta, CONFIG_KEY, path), source=f"{path} metadata")
 
 
 def _plugin_calls(graph: onnx.ModelProto) -> list[str]:
@@ -665,7 +652,7 @@ def _monitor(trt, show: bool, title: str):
             self._tasks: dict[str, tuple[int, int]] = {}  # phase -> (task id, depth)
             self._lock = threading.Lock()
             self._progress = (
-                Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                          console=console, transient=True)
                 if show else None
             )
@@ -750,7 +737,10 @@ def _load_timing_cache(trt, config, path: Path, builder: str):
     data = b""
     if path.is_file():
         meta_path = sidecar_path(path)
-        meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        try:
+            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+        except (OSError, UnicodeDecodeError, ValueError):
+            meta = {"unreadable": str(meta_path)}  # then not this TensorRT's: a new cache
         here = {"builder": builder, "builder_version": trt.__version__, "gpu": gpu_compute_capability()}
         if meta and meta != here:
             note = f"timing cache {path} was made by {meta} and this is {here}: starting a new one"

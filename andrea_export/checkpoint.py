@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .artifacts import atomic_path, sha256_file
-from .config import ModelConfig
+from .buildfolder import inside
+from .config import ModelConfig, safe_name
 from .errors import CheckpointError, ConfigError
 from .model import Andrea
 from .names import CONFIG_KEY
@@ -133,14 +134,12 @@ def _shards(folder: Path, index: Path) -> list[Path]:
         raise CheckpointError(f"{index}: not a safetensors index (JSON with a 'weight_map'): {e}") from None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
-    root = folder.resolve()
     files = []
     for name in dict.fromkeys(weight_map.values()):
         if not isinstance(name, str) or not name.endswith(".safetensors"):
             raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file name")
-        f = (folder / name).resolve()
-        if f.parent != root:  # no '..', no absolute path, no sub-folder, no symlink pointing out
-            raise CheckpointError(f"{index}: shard {name!r} lies outside the checkpoint folder; refused")
+        # no '..', no absolute path, no sub-folder, no symlink pointing out
+        f = inside(folder, name, f"{index}: shard", CheckpointError, flat=True, kind="checkpoint folder").resolve()
         if not f.is_file():
             raise CheckpointError(f"{index}: shard {name!r} is missing from {folder}")
         files.append(f)
@@ -249,7 +248,7 @@ def _config_from(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: P
             "a GPT-2 size); put the model's config.json beside it, or pass a config file with 'n_head' (--config)"
         )
     return ModelConfig(
-        name=path.stem, vocab_size=vocab, n_embd=n_embd, n_layer=n_layer, n_head=GPT2_HEADS[n_embd],
+        name=safe_name(path.stem), vocab_size=vocab, n_embd=n_embd, n_layer=n_layer, n_head=GPT2_HEADS[n_embd],
         n_positions=tensors["wpe.weight"].shape[0],
     )
 
@@ -276,6 +275,10 @@ def model_for(source: dict, cfg: ModelConfig | None, checkpoint: str | Path | No
     """The model whose weights an artifact records as `source` (its `weights_source`): the given
     checkpoint, checked against the recorded sha256, or the recorded seeded random init. Refuses to
     guess when the artifact came from a checkpoint that is not given. `what` names the artifact."""
+    from .buildfolder import check_weights_source
+
+    if source != {}:  # recorded by whoever wrote the file: checked before it is used ({} means not recorded)
+        check_weights_source(source, f"{what}: its weight source")
     if checkpoint is not None:
         if source.get("kind") == "random-init":
             raise CheckpointError(f"{what} was made from random weights (seed {source['seed']}), not from a "

@@ -23,19 +23,16 @@ def _user_errors(fn):
         try:
             return fn(*args, **kwargs)
         except AndreaExportError as e:
-            from .progress import console
+            from .progress import error
 
-            console.print(f"[bold red]error:[/] {e}", markup=True, highlight=False, soft_wrap=True)
+            error(str(e))
             sys.exit(1)
         except OSError as e:
             if e.errno not in _USER_ERRNOS or e.filename is None:
                 raise  # not about a path the user chose: a bug, keep the traceback
-            from rich.markup import escape
+            from .progress import error
 
-            from .progress import console
-
-            console.print(f"[bold red]error:[/] {escape(str(e.filename))}: {e.strerror}", markup=True,
-                          highlight=False, soft_wrap=True)
+            error(f"{e.filename}: {e.strerror}")
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted: nothing half-written was left behind", err=True)
@@ -263,6 +260,8 @@ def inspect(path, as_json):
         click.echo(_json.dumps(d, indent=2))
     else:
         print_description(d)
+    if d.get("intact") is False:  # described, and said plainly: what is there is not what was built
+        raise AndreaExportError(f"{path}: {d['integrity']}")
 
 
 @main.command()
@@ -364,6 +363,11 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
                                    + (" (greedy decoding samples nothing; choose --strategy top-k or top-p)"
                                       if strategy == "greedy" else ""))
     with runtime.load(build, backend=backend) as sess:
+        if (sess.weights_source or {}).get("kind") == "random-init":  # as build and verify announce it
+            from .progress import warn
+
+            warn(f"{build} holds RANDOM weights (seed {sess.weights_source['seed']}), not a trained checkpoint: "
+                 "the tokens it generates are meaningless")
         news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)
                                     for p in prompts])
     for new in news:

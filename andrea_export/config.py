@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 from .errors import ConfigError
@@ -26,6 +27,7 @@ class ModelConfig:
     layer_norm_eps: float = 1e-5
 
     def __post_init__(self):
+        check_name(self.name)
         for f in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -65,6 +67,26 @@ class ModelConfig:
             return cls(**data)
         except ConfigError as e:
             raise ConfigError(f"{source}: {e}") from None
+
+
+# A model name becomes a folder name (out/<name>-<precision>) and a Triton model name, and it is read
+# from files anyone can write (config JSON, checkpoint and ONNX metadata): one path component, no more.
+NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def check_name(name) -> str:
+    """`name` when it is a safe model name (letters, digits, '_', '-', '.'; starts with a letter or digit;
+    at most 64 characters), else ConfigError."""
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        raise ConfigError(f"model config: field 'name' must be 1-64 letters, digits, '_', '-' or '.', starting with "
+                          f"a letter or digit (it names the output folder), got {name!r:.80}")
+    return name
+
+
+def safe_name(text: str) -> str:
+    """A model name made from free text (a checkpoint's file name): unsafe characters become '-'."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-._")[:64]
+    return name if NAME_RE.fullmatch(name) else "model"
 
 
 ANDREA_120M = ModelConfig()

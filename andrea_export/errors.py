@@ -1,7 +1,9 @@
 """The toolkit's errors: user errors (bad input, missing dependency) that the CLI prints as one clear
 line and exits non-zero. Anything else is a bug and keeps its traceback. Also the two checks for optional
-modules (`require`, `installed`), so that every layer can use them."""
+modules (`require`, `installed`) and the one for a GPU (`gpu_compute_capability`), so that every layer
+can use them."""
 
+import ctypes
 import importlib
 import importlib.util
 
@@ -56,3 +58,21 @@ def installed(module: str) -> bool:
         return importlib.util.find_spec(module) is not None and hasattr(importlib.import_module(module), "Builder")
     except (ImportError, ValueError):  # ValueError: a None entry in sys.modules
         return False
+
+
+def gpu_compute_capability() -> str | None:
+    """The compute capability of GPU 0 ("8.9"), or None without a GPU and a working driver.
+
+    Asks the CUDA driver (libcuda) directly, so it needs neither torch's CUDA build nor cuda-python (here,
+    beside `installed`, so the runtime can ask without importing the builder)."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    n, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
+        return None
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
+    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, 0) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, 0):
+        return None
+    return f"{major.value}.{minor.value}"

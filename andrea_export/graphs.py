@@ -19,11 +19,11 @@ runtime needs only the file (see kvcache.py for why one graph, and how it is exp
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import onnx
 
+from .buildfolder import metadata_json
 from .config import ModelConfig
 from .errors import ExportError
 from .names import ATTENTION_MASK, CONFIG_KEY, INPUT_IDS, KV_LAYOUT_KEY, LOGITS
@@ -185,7 +185,7 @@ def _config(meta: dict[str, str], path) -> ModelConfig:
         raise ExportError(
             f"{path}: has no '{CONFIG_KEY}' metadata: not exported by andrea-export, so its model config is unknown"
         )
-    return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
+    return ModelConfig.from_dict(metadata_json(meta, CONFIG_KEY, path), source=f"{path} metadata '{CONFIG_KEY}'")
 
 
 def _layout(meta: dict[str, str], path) -> KVLayout:
@@ -194,7 +194,7 @@ def _layout(meta: dict[str, str], path) -> KVLayout:
             f"{path}: has no '{KV_LAYOUT_KEY}' metadata: not a KV-cache decoder graph "
             f"(export one with andrea_export.kvcache.export_decoder_onnx)"
         )
-    return KVLayout.from_dict(json.loads(meta[KV_LAYOUT_KEY]), source=f"{path} metadata")
+    return KVLayout.from_dict(metadata_json(meta, KV_LAYOUT_KEY, path), source=f"{path} metadata")
 
 
 def _check_decoder(proto: onnx.ModelProto, path) -> KVLayout:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .config import ModelConfig
+from .config import ModelConfig, safe_name
 from .errors import CheckpointError, ExportError
 
 HF_CONFIG = "config.json"
@@ -72,7 +72,7 @@ def read_hf_config(path: str | Path, name: str | None = None) -> tuple[ModelConf
     if not isinstance(tied, bool):
         raise CheckpointError(f"{path}: tie_word_embeddings must be true or false, got {tied!r}")
     try:
-        return ModelConfig(name=name or path.parent.name or "gpt2", **fields), tied
+        return ModelConfig(name=safe_name(name or path.parent.name or "gpt2"), **fields), tied
     except Exception as e:  # ConfigError (bad value) or TypeError (a string where a number belongs)
         raise CheckpointError(f"{path}: {e}") from None
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from .errors import AndreaExportError
@@ -23,15 +22,16 @@ def describe(path: str | Path) -> dict:
 
 
 def _describe_build(folder: Path) -> dict:
-    from .pipeline import read_manifest, verify_artifact_hashes
+    from .buildfolder import changed_artifacts, read_manifest
 
     m = read_manifest(folder)
-    altered = verify_artifact_hashes(folder, m)
+    altered = changed_artifacts(folder, m)
     return {"kind": "build", "path": str(folder), "status": m["status"], "model": m["model"]["name"],
             "precision": m["precision"], "weights": m["weights"], "builder": m["builder"], "profiles": m["profiles"],
             "plugin": m["plugin"], "verification": m["verification"],
             "artifacts": {r: f"{a['path']} ({a['bytes'] / 1e6:,.1f} MB)" for r, a in m["artifacts"].items()},
-            "integrity": "every artifact matches its sha256" if not altered else f"CHANGED since the build: {', '.join(altered)}"}
+            "integrity": "every artifact matches its sha256" if not altered else f"CHANGED since the build: {', '.join(altered)}",
+            "intact": not altered}
 
 
 def _describe_onnx(path: Path) -> dict:
@@ -62,12 +62,19 @@ def _describe_onnx(path: Path) -> dict:
 
 
 def _describe_engine(path: Path) -> dict:
+    from .artifacts import sha256_file
     from .build import sidecar_path
+    from .buildfolder import read_engine_info
 
     info = {"kind": "engine", "path": str(path), "bytes": path.stat().st_size}
     side = sidecar_path(path)
     if side.is_file():
-        info["built"] = json.loads(side.read_text())
+        built = read_engine_info(side)
+        info["built"] = built
+        same = built["plan_bytes"] == info["bytes"] and sha256_file(path) == built["plan_sha256"]
+        info["integrity"] = (f"matches the sha256 in {side.name}" if same else
+                             f"CHANGED: not the engine {side.name} describes (its sha256 differs)")
+        info["intact"] = same
     else:
         info["built"] = f"unknown: no {side.name} beside it (not built by andrea-export?)"
     return info
@@ -76,15 +83,15 @@ def _describe_engine(path: Path) -> dict:
 def print_description(d: dict) -> None:
     from rich.pretty import Pretty
 
-    from .progress import console
+    from .progress import console, styled
 
     title = {"build": "Build folder", "onnx": "ONNX model", "engine": "TensorRT engine"}[d["kind"]]
-    console.print(f"[bold]{title}[/] {d['path']}")
+    console.print(styled(title, "bold"), d["path"])
     for k, v in d.items():
-        if k in ("kind", "path"):
+        if k in ("kind", "path", "intact"):
             continue
         if isinstance(v, (dict, list)):
-            console.print(f"[cyan]{k}[/]:")
+            console.print(styled(f"{k}:", "cyan"))
             console.print(Pretty(v, indent_guides=False), soft_wrap=False)
         else:
-            console.print(f"[cyan]{k}[/]: {v}")
+            console.print(styled(f"{k}:", "cyan"), str(v))

@@ -20,13 +20,13 @@ from pathlib import Path
 
 from . import __version__
 from .artifacts import locked_folder, sha256_file, update_folder, write_text_atomic
+from .buildfolder import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest  # noqa: F401  (importable from here)
+from .buildfolder import changed_artifacts as verify_artifact_hashes
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .names import INPUT_IDS, WEIGHTS_FILE
-from .progress import console, step, warn
+from .progress import console, step, styled, warn
 
-SCHEMA_VERSION = 1
-MANIFEST = "manifest.json"
 
 
 @dataclasses.dataclass
@@ -64,9 +64,13 @@ class BuildOptions:
             raise ConfigError(f"{path}: unknown build option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
         data.update({k: v for k, v in overrides.items() if v is not None})
         try:
-            return cls(**data).check()
+            opts = cls(**data).check()
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
+        for key in ("out", "timing_cache"):  # written to: a shared TOML must not aim them elsewhere
+            if key in data and overrides.get(key) is None:
+                _toml_target_inside(path, key, data[key])
+        return opts
 
     def check(self) -> "BuildOptions":
         """Check every option's type and range (nothing is loaded or built); returns self. Raises
@@ -124,6 +128,18 @@ class BuildOptions:
         return "\n".join(lines) + "\n"
 
 
+def _toml_target_inside(toml: Path, key: str, value) -> None:
+    """A path a build writes to, read from a TOML file, must be the TOML's own folder or inside it (a
+    build-config.toml sits in the build it repeats); else the command line must say it."""
+    if not isinstance(value, str) or not value or "\x00" in value:
+        raise ConfigError(f"{toml}: '{key}' must be a path (a string), got {value!r:.60}")
+    base, target = toml.resolve().parent, Path(value).resolve()
+    if target != base and base not in target.parents:
+        raise ConfigError(f"{toml}: '{key}' = {value!r} is outside the folder of this file ({base}); a build "
+                          f"config may only aim the build at its own folder: give --{key.replace('_', '-')} "
+                          "on the command line instead")
+
+
 def run_build(opts: BuildOptions, force: bool = False) -> dict:
     """Run the whole build; returns the manifest (also written to <out>/manifest.json).
 
@@ -152,10 +168,10 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     t0 = time.perf_counter()
     try:
         with locked_folder(out, create=True):  # a second run into `out` is refused until this one ends
-            _claim(out, opts, force)
+            previous = _claim(out, opts, force)
             # the new build is staged beside `out` and swapped in whole; a replaced build's files
             # (named by its manifest) are not carried over, anything else in the folder is
-            with update_folder(out, drop=_previous_artifacts(out)) as tmp:
+            with update_folder(out, drop=previous) as tmp:
                 manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache)
                 write_text_atomic(tmp / "build-config.toml", opts.to_toml())
                 manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
@@ -184,34 +200,30 @@ def _check_for_model(opts: BuildOptions, cfg) -> list:
     return profiles
 
 
-def _previous_artifacts(out: Path) -> set[str]:
-    """The file names a previous build's manifest records (only compared with the folder's entries)."""
-    try:
-        return {str(a["path"]) for a in json.loads((out / MANIFEST).read_text())["artifacts"].values()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return set()
-
-
 def _load_model(opts: BuildOptions, cfg):
     from .checkpoint import load_model
 
     return load_model(opts.checkpoint, cfg, seed=opts.seed)
 
 
-def _claim(out: Path, opts: BuildOptions, force: bool) -> None:
-    """Refuse to write into a folder that holds another build (a different set of options)."""
+def _claim(out: Path, opts: BuildOptions, force: bool) -> set[str]:
+    """Refuse to write into a folder that holds another build (a different set of options). Returns the
+    files of the build it replaces, which go when the new one is in. Its manifest is untrusted: one that
+    does not validate (or names files outside the folder) is refused, --force or not."""
     manifest = out / MANIFEST
     if not manifest.is_file():
         if out.is_dir() and any(p for p in out.iterdir() if not p.name.startswith(".") and p.name != "timing.cache"):
             if not force:
                 raise BuildError(f"{out} is not empty and holds no andrea-export build; choose another --out or pass --force")
-        return
+        return set()
     try:
-        previous = json.loads(manifest.read_text()).get("options", {})
-    except json.JSONDecodeError:
-        previous = None
-    if previous != dataclasses.asdict(opts) and not force:
+        previous = read_manifest(out)
+    except AndreaExportError as e:
+        raise BuildError(f"{e}; the build in {out} cannot be replaced safely: remove the folder or choose another "
+                         "--out") from None
+    if previous["options"] != dataclasses.asdict(opts) and not force:
         raise BuildError(f"{out} holds another build (see {manifest}); choose another --out, or pass --force to replace it")
+    return {a["path"] for a in previous["artifacts"].values()}
 
 
 def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path) -> dict:
@@ -377,7 +389,7 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
             report.decoder = _verify_decoder(folder, model, precision, artifacts, greedy_steps)
         if "decoder_engine" in artifacts:
             plan = folder / artifacts["decoder_engine"]
-            reason = _engine_blocker(plan, json.loads((folder / artifacts["decoder_engine_info"]).read_text()))
+            reason = _engine_blocker(plan, read_engine_info(folder / artifacts["decoder_engine_info"]))
             if reason:
                 report.skipped.append({"artifact": "decoder_engine", "reason": reason})
             else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph) decodes like PyTorch
@@ -409,7 +421,9 @@ def _engine_blocker(plan: Path, info: dict) -> str | None:
     from .build import check_engine_compat, gpu_compute_capability
 
     if gpu_compute_capability() is None:
-        what = "an RTX-class GPU (compute capability 7.5, 8.x or 12.x)" if info["builder"] == "tensorrt-rtx" else "a GPU"
+        targets = ", ".join(info["compute_capabilities"])
+        what = (f"an RTX-class GPU of compute capability {targets}" + (" or newer" if info.get("compute_capabilities_default") else "")
+                if info["builder"] == "tensorrt-rtx" else "a GPU")
         return (f"no GPU on this machine: the {info['builder']} engine needs {what} to run; the exact ONNX that "
                 "went into the builder was verified on ONNX Runtime instead")
     try:
@@ -470,11 +484,15 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         altered = verify_artifact_hashes(folder, m)
         if altered:
             raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
-        cfg = ModelConfig.from_dict(m["model"], source=f"{folder}/{MANIFEST}")
+        cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
         check_inputs(cfg, shapes, greedy_steps)
         model = model_for(m["weights"], cfg, checkpoint, what=str(folder))
         paths = {role: a["path"] for role, a in m["artifacts"].items()}
-        engine_info = json.loads((folder / paths["engine_info"]).read_text())
+        needed = ["onnx", "onnx_plugin", "engine", "engine_info"] + (["decoder_engine_info"] if "decoder_engine" in paths else [])
+        if missing := [r for r in needed if r not in paths]:
+            raise BuildError(f"{folder / MANIFEST}: no {', '.join(repr(r) for r in missing)} artifact: not a build this "
+                             "andrea-export can verify")
+        engine_info = read_engine_info(folder / paths["engine_info"])
         # the new verify.json and manifest are staged with the unchanged files and swapped in together:
         # a crash never leaves a report that the manifest does not record
         with update_folder(folder) as tmp:
@@ -531,32 +549,6 @@ def _hash_artifacts(folder: Path, artifacts: dict[str, str]) -> dict:
             for role, name in artifacts.items()}
 
 
-def read_manifest(folder: str | Path) -> dict:
-    """The manifest of a build folder, checked for the schema this version understands."""
-    path = Path(folder) / MANIFEST
-    if not path.is_file():
-        raise BuildError(f"{folder}: no {MANIFEST}: not an andrea-export build folder (or the build did not finish)")
-    try:
-        manifest = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise BuildError(f"{path}: not valid JSON ({e})") from None
-    if manifest.get("schema_version") != SCHEMA_VERSION:
-        raise BuildError(f"{path}: manifest schema {manifest.get('schema_version')!r}; this andrea-export reads {SCHEMA_VERSION}")
-    return manifest
-
-
-def verify_artifact_hashes(folder: str | Path, manifest: dict | None = None) -> list[str]:
-    """Names of artifacts whose bytes no longer match the manifest (empty when the folder is intact)."""
-    folder = Path(folder)
-    manifest = manifest or read_manifest(folder)
-    bad = []
-    for role, a in manifest["artifacts"].items():
-        p = folder / a["path"]
-        if not p.is_file() or p.stat().st_size != a["bytes"] or sha256_file(p) != a["sha256"]:
-            bad.append(a["path"])
-    return bad
-
-
 def print_build_summary(manifest: dict, out: Path) -> None:
     from rich.table import Table
 
@@ -568,19 +560,20 @@ def print_build_summary(manifest: dict, out: Path) -> None:
         t.add_row(role, a["path"], f"{a['bytes'] / 1e6:,.1f} MB")
     console.print(t)
     b = manifest["builder"]
+    built = f", built in {b['build_seconds']:.0f} s" if "build_seconds" in b else ""
     console.print(f"engine: {b['name']} {b['version']}, {manifest['precision']}, targets "
-                  f"{', '.join(b['compute_capabilities']) or 'this GPU'}, built in {b['build_seconds']:.0f} s; "
-                  f"plugin calls in the graph: {manifest['plugin']['calls']}")
+                  f"{', '.join(b['compute_capabilities']) or 'this GPU'}{built}; "
+                  f"plugin calls in the graph: {manifest['plugin'].get('calls', '?')}")
     status = manifest["status"]
     if status == "passed":
-        console.print("[bold green]PASSED[/]: every artifact, the engine included, matches PyTorch")
+        console.print(styled("PASSED", "bold green") + ": every artifact, the engine included, matches PyTorch")
     elif status == "engine-unverified":
         reasons: dict[str, list[str]] = {}
         for s in manifest["verification"]["skipped"]:
             reasons.setdefault(s["reason"], []).append(s["artifact"])
         warn("the ONNX graphs match PyTorch, but the engines could not run here: "
              + "; ".join(f"{', '.join(names)}: {reason}" for reason, names in reasons.items()))
-        console.print("[bold yellow]ENGINE UNVERIFIED[/]: run `andrea-export verify BUILD_DIR` on a GPU host of the target kind")
+        console.print(styled("ENGINE UNVERIFIED", "bold yellow") + ": run `andrea-export verify BUILD_DIR` on a GPU host of the target kind")
     else:
-        console.print("[bold red]FAILED[/]: verification failed; see verify.json. The folder is kept for inspection, "
+        console.print(styled("FAILED", "bold red") + ": verification failed; see verify.json. The folder is kept for inspection, "
                       "and its manifest says failed.")

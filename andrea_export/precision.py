@@ -38,6 +38,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from .artifacts import staging
+from .buildfolder import metadata_json
 from .errors import ConfigError, ExportError
 from .names import KV_LAYOUT_KEY, LOGITS, PRECISION_KEY
 
@@ -101,7 +102,7 @@ def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str)
         if KV_LAYOUT_KEY in meta:  # a KV-cache decoder: its cache inputs/outputs are now half precision
             from .kvcache import KVLayout
 
-            layout = KVLayout.from_dict(json.loads(meta[KV_LAYOUT_KEY]), source=f"{onnx_in} metadata")
+            layout = KVLayout.from_dict(metadata_json(meta, KV_LAYOUT_KEY, onnx_in), source=f"{onnx_in} metadata")
             layout = dataclasses.replace(layout, cache_dtype={"fp16": "float16", "bf16": "bfloat16"}[precision])
             _set_meta(model, KV_LAYOUT_KEY, json.dumps(layout.to_dict(), sort_keys=True))
     _set_meta(model, PRECISION_KEY, precision)

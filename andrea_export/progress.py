@@ -7,9 +7,18 @@ import sys
 import time
 
 from rich.console import Console
+from rich.text import Text
 
-# Piped or in CI, rich would assume 80 columns and squeeze tables; give it room instead.
-console = Console(stderr=True, highlight=False, width=None if sys.stderr.isatty() else 140)
+# Piped or in CI, rich would assume 80 columns and squeeze tables; give it room instead. Strings are
+# printed as they are, never parsed as markup or emoji codes: messages carry file names, config values
+# and install hints like 'andrea-export[gpu]'. Styles are given as Text (see `styled`).
+console = Console(stderr=True, highlight=False, markup=False, emoji=False,
+                  width=None if sys.stderr.isatty() else 140)
+
+
+def styled(text: str, style: str) -> Text:
+    """`text` in a rich style, as a Text object (literal: no markup parsing)."""
+    return Text(text, style=style)
 
 
 @contextlib.contextmanager
@@ -19,10 +28,14 @@ def step(message: str, quiet: bool = False):
         yield
         return
     t0 = time.perf_counter()
-    with console.status(message + " ..."):
+    with console.status(Text(message + " ...")):  # a str status would be parsed as markup
         yield
-    console.print(f"[green]done[/] {message} ({time.perf_counter() - t0:.1f} s)")
+    console.print(styled("done", "green"), f"{message} ({time.perf_counter() - t0:.1f} s)")
 
 
 def warn(message: str) -> None:
-    console.print(f"[bold yellow]WARNING:[/] {message}")
+    console.print(styled("WARNING:", "bold yellow"), message)
+
+
+def error(message: str) -> None:
+    console.print(styled("error:", "bold red"), message, soft_wrap=True)

@@ -44,7 +44,6 @@ Decisions, and why:
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import shutil
@@ -56,13 +55,13 @@ from onnx import TensorProto
 
 from . import __version__
 from .artifacts import locked_folder, sha256_file, swap_folders
+from .buildfolder import MANIFEST
+from .buildfolder import read_manifest as _read_manifest
 from .errors import AndreaExportError, require
 from .progress import warn
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 KINDS = ("gpu", "cpu")
-MANIFEST = "manifest.json"
-SCHEMA_VERSION = 1
 VERSION_DIR = "1"
 PROVENANCE = "andrea-build.json"  # copy of the build's manifest inside the model folder
 DEFAULT_ONNX_MAX_BATCH = 8  # ONNX Runtime has no profile limit; used when the manifest has no profiles
@@ -261,28 +260,8 @@ def parse_config(text: str):
 
 
 def read_manifest(build_dir: str | Path) -> dict:
-    """The build folder's manifest.json, with the fields packaging needs checked."""
-    build_dir = Path(build_dir)
-    if not build_dir.is_dir():
-        raise PackageError(f"{build_dir}: no such build folder")
-    path = build_dir / MANIFEST
-    if not path.is_file():
-        raise PackageError(
-            f"{build_dir}: no {MANIFEST}; not an andrea-export build folder (make one with `andrea-export build`)"
-        )
-    try:
-        manifest = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise PackageError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(manifest, dict):
-        raise PackageError(f"{path}: expected a JSON object")
-    version = manifest.get("schema_version")
-    if version != SCHEMA_VERSION:
-        raise PackageError(f"{path}: schema_version {version!r} is not supported (this andrea-export reads {SCHEMA_VERSION})")
-    for key, typ in (("model", dict), ("artifacts", dict)):
-        if not isinstance(manifest.get(key), typ):
-            raise PackageError(f"{path}: '{key}' is missing or not a JSON object")
-    return manifest
+    """The build folder's manifest.json, validated (buildfolder.read_manifest) for what packaging needs."""
+    return _read_manifest(build_dir, full=False, error=PackageError)
 
 
 def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) -> str:
@@ -327,17 +306,15 @@ def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) ->
 
 def _artifact_file(build_dir: Path, manifest: dict, role: str) -> Path:
     """The artifact's file, after checking it exists and matches the manifest's sha256 and size."""
-    entry = manifest["artifacts"][role]
-    if not isinstance(entry, dict) or not isinstance(entry.get("path"), str):
-        raise PackageError(f"{build_dir / MANIFEST}: artifact '{role}' has no 'path'")
+    entry = manifest["artifacts"][role]  # validated: a path inside the folder, a sha256, a size
     path = build_dir / entry["path"]
     if not path.is_file():
         raise PackageError(f"{build_dir / MANIFEST}: artifact '{role}' is missing: {path}")
-    if "bytes" in entry and path.stat().st_size != entry["bytes"]:
+    if path.stat().st_size != entry["bytes"]:
         raise PackageError(
             f"{path}: {path.stat().st_size} bytes, but the manifest records {entry['bytes']}: the file changed after the build"
         )
-    if "sha256" in entry and sha256_file(path) != entry["sha256"]:
+    if sha256_file(path) != entry["sha256"]:
         raise PackageError(f"{path}: sha256 differs from the manifest's: the file changed after the build")
     return path
 

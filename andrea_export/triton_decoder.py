@@ -135,12 +135,12 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
 
 
 def _engine_profiles(build_dir: Path, manifest: dict) -> list:
-    import json
+    from .buildfolder import read_engine_info
 
     info = _artifact_file(build_dir, manifest, "decoder_engine_info") if "decoder_engine_info" in manifest["artifacts"] else None
     if info is None:
         raise PackageError(f"{build_dir}: the decoder engine's sidecar (decoder_engine_info) with its profiles is missing")
-    profiles = json.loads(info.read_text()).get("profiles") or []
+    profiles = read_engine_info(info, PackageError).get("profiles") or []
     if len(profiles) != 2:
         raise PackageError(f"{info}: expected the decoder engine's two profiles (prefill, decode), found {len(profiles)}")
     return profiles

@@ -22,7 +22,7 @@ from polygraphy.common import TensorMetadata
 from .artifacts import write_text_atomic
 from .export import INPUT_NAME, OUTPUT_NAME
 from .model import Andrea
-from .progress import console, step
+from .progress import console, step, styled
 
 # Tolerances per precision live in precision.py (TOLERANCES, MIN_TOP1, MAX_KL), with the measurements
 # behind them. An element of the logits fails only if BOTH its absolute and relative error exceed the
@@ -247,7 +247,7 @@ def print_summary(report: VerifyReport) -> None:
         for s in c["shapes"]:
             t.add_row(c["artifact"], "x".join(map(str, s["shape"])), f"{s['max_abs']:.2e}", f"{s['mean_abs']:.2e}",
                       f"{s['max_rel']:.1e}", f"{s['top1_agreement']:.4f}", f"{s['top5_overlap']:.4f}",
-                      f"{s['max_kl']:.1e}", "[green]yes[/]" if s["passed"] else "[bold red]NO[/]")
+                      f"{s['max_kl']:.1e}", styled("yes", "green") if s["passed"] else styled("NO", "bold red"))
     console.print(t)
     console.print("* relative error is against the reference and explodes near zero; an element fails only when "
                   "both its absolute and relative error exceed the tolerances.")
@@ -260,7 +260,7 @@ def print_summary(report: VerifyReport) -> None:
     if d:
         worst = max(s["max_abs_logits"] for s in d["steps"]["per_step"])
         console.print(f"KV-cache decoder {d['artifact']}: prefill + {d['steps']['steps']} decode steps vs PyTorch, "
-                      f"max |logit diff| {worst:.2e}: " + ("[green]ok[/]" if d["steps"]["passed"] else "[bold red]FAILED[/]"))
+                      f"max |logit diff| {worst:.2e}: " + (styled("ok", "green") if d["steps"]["passed"] else styled("FAILED", "bold red")))
         for key, label in (("greedy", "ONNX Runtime"), ("engine_greedy", "engine")):
             g = d.get(key)
             if g and "agree" in g:
@@ -270,18 +270,19 @@ def print_summary(report: VerifyReport) -> None:
             elif g:
                 console.print(f"greedy with the KV cache, {label}: {g['skipped']}")
     for s in report.skipped:
-        console.print(f"[yellow]not run here[/] {s['artifact']}: {s['reason']}")
-    verdict = "[bold green]PASSED[/]" if report.passed else "[bold red]FAILED[/]"
-    console.print(f"Verification {verdict}")
+        console.print(styled("not run here", "yellow"), f"{s['artifact']}: {s['reason']}")
+    verdict = styled("PASSED", "bold green") if report.passed else styled("FAILED", "bold red")
+    console.print("Verification", verdict)
 
 
 def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = None, config=None) -> Andrea:
     """The PyTorch model an ONNX file must match: the given checkpoint, or the seeded random init that the
     file's metadata records. Refuses to guess when the file came from a checkpoint that is not given."""
+    from .buildfolder import metadata_json
     from .checkpoint import model_for
-    from .export import CONFIG_KEY, WEIGHTS_KEY, read_config, read_metadata
-
     from .errors import ConfigError
+    from .graphs import read_config, read_metadata
+    from .names import CONFIG_KEY, WEIGHTS_KEY
 
     meta = read_metadata(onnx_path)
     recorded = read_config(onnx_path) if CONFIG_KEY in meta else None
@@ -290,4 +291,35 @@ def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = N
         raise ConfigError(f"--config {config.name} does not match {onnx_path}, which was exported from {recorded.name} "
                           f"({'; '.join(differ)}); leave out --config: the file records its own")
     cfg = config or recorded
-    return model_for(json.loads(meta.get(WEIGHTS_KEY, "{}")), cfg, checkpoint, what=str(onnx_path))
+    source = metadata_json(meta, WEIGHTS_KEY, onnx_path) if WEIGHTS_KEY in meta else {}
+    model = model_for(source, cfg, checkpoint, what=str(onnx_path))
+    check_model_io(onnx_path, model.cfg)
+    return model
+
+
+def check_model_io(onnx_path: str | Path, cfg) -> None:
+    """Refuse, before anything runs, an ONNX file whose inputs and outputs are not the model's: one input
+    input_ids int64 [batch, seq], one output logits float [batch, seq, vocab]. Metadata can be copied
+    onto any graph; the graph's own signature cannot lie about what it takes."""
+    import onnx
+
+    from .errors import ExportError
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    init = {t.name for t in graph.initializer}
+    sig = {"inputs": [(v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim)) for v in graph.input
+                      if v.name not in init],
+           "outputs": [(v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim)) for v in graph.output]}
+    want_in = [(INPUT_NAME, onnx.TensorProto.INT64, 2)]
+    out = graph.output[0].type.tensor_type.shape.dim if len(graph.output) == 1 else []
+    vocab = out[-1].dim_value if len(out) == 3 else None
+    floats = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16)
+    ok_out = (len(sig["outputs"]) == 1 and sig["outputs"][0][0] == OUTPUT_NAME and sig["outputs"][0][1] in floats
+              and sig["outputs"][0][2] == 3 and vocab in (0, cfg.vocab_size))  # 0: a symbolic dimension
+    if sig["inputs"] != want_in or not ok_out:
+        def show(vals):
+            return ", ".join(f"{n} {onnx.TensorProto.DataType.Name(t).lower()} rank {r}" for n, t, r in vals) or "none"
+
+        raise ExportError(f"{onnx_path}: takes {show(sig['inputs'])} and gives {show(sig['outputs'])}; an "
+                          f"{cfg.name} graph takes input_ids int64 [batch, seq] and gives logits [batch, seq, "
+                          f"{cfg.vocab_size}]: not this model's graph (its metadata may be copied)")

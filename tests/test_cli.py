@@ -47,7 +47,7 @@ def test_generate_several_prompts(lively_decoder):
     assert result.exit_code == 0, result.output
     sess = runtime.load(folder)
     alone = [sess.generate([int(x) for x in p.replace(",", " ").split()], 6, strategy="top-k", seed=4) for p in prompts]
-    assert result.output.splitlines() == [" ".join(map(str, a)) for a in alone]
+    assert result.stdout.splitlines() == [" ".join(map(str, a)) for a in alone]
     result = CliRunner().invoke(main, ["generate", str(folder), "--prompt-ids", "1", "--prompt-ids", "2,x"])
     assert result.exit_code == 2 and "not a list of integers: '2,x'" in result.output
     result = CliRunner().invoke(main, ["generate", str(folder), "--prompt-ids", "1", "--prompt-ids", "8449"])

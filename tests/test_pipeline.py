@@ -77,7 +77,7 @@ def test_generate_from_the_build_folder(tiny_build):
     out, _ = tiny_build
     result = CliRunner().invoke(main, ["generate", str(out), "--prompt-ids", "5,6,7", "-n", "4"])
     assert result.exit_code == 0, result.output
-    assert len(result.output.split()) == 4
+    assert len(result.stdout.split()) == 4
 
 
 def test_fp16_build_without_decoder(tmp_path):

@@ -18,9 +18,9 @@ a service needs numpy, onnx and onnxruntime (plus TensorRT and cuda-python for t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from ..buildfolder import MANIFEST
 from ..errors import installed
 from ..graphs import read_decoder
 from ..names import DECODER_FILE
@@ -37,14 +37,8 @@ __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "Seria
 def _resolve(path: Path) -> tuple[Path, Path | None]:
     """(decoder ONNX, engine or None) for a build folder or a direct file path."""
     if path.is_dir():
-        manifest = path / "manifest.json"
-        if manifest.is_file():  # a build folder: its manifest names the graphs (decoder.fp16.onnx, ...)
-            artifacts = json.loads(manifest.read_text()).get("artifacts", {})
-            if "decoder_onnx" not in artifacts:
-                raise InputError(f"{path}: this build has no KV-cache decoder graph (it was built with --no-decoder); "
-                                 "rebuild it with the decoder to generate from it")
-            engine = artifacts.get("decoder_engine")
-            return path / artifacts["decoder_onnx"]["path"], path / engine["path"] if engine else None
+        if (path / MANIFEST).is_file():  # a build folder: its manifest names the graphs (decoder.fp16.onnx, ...)
+            return _from_build(path)
         onnx_path = path / DECODER_FILE
         if not onnx_path.is_file():
             raise InputError(f"{path}: no KV-cache decoder graph in this folder (expected {DECODER_FILE} or a manifest.json)")
@@ -58,6 +52,21 @@ def _resolve(path: Path) -> tuple[Path, Path | None]:
             return onnx_path, path
         return path, None
     raise InputError(f"no such build folder or ONNX file: {path}")
+
+
+def _from_build(folder: Path) -> tuple[Path, Path | None]:
+    """A build folder's decoder graph and engine, after checking the manifest and that both files are
+    still the ones built (sha256): a changed file is refused, never run."""
+    from ..buildfolder import artifact, changed_artifacts, read_manifest
+
+    m = read_manifest(folder, full=False, error=InputError)  # what decoding needs, each field checked
+    roles = [r for r in ("decoder_onnx", "decoder_engine", "decoder_engine_info") if r in m["artifacts"]]
+    if "decoder_onnx" not in roles:
+        raise InputError(f"{folder}: this build has no KV-cache decoder graph (it was built with --no-decoder); "
+                         "rebuild it with the decoder to generate from it")
+    if changed := changed_artifacts(folder, {"artifacts": {r: m["artifacts"][r] for r in roles}}):
+        raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    return artifact(folder, m, "decoder_onnx"), artifact(folder, m, "decoder_engine") if "decoder_engine" in roles else None
 
 
 def load(
@@ -90,7 +99,24 @@ def load(
             )
         from .trt import TrtSession
 
-        return TrtSession(engine, cfg, layout, cuda_graph=cuda_graph)
-    from .ort import OrtSession
+        sess = TrtSession(engine, cfg, layout, cuda_graph=cuda_graph)
+    else:
+        from .ort import OrtSession
 
-    return OrtSession(onnx_path, cfg, layout, providers=providers, intra_op_threads=intra_op_threads)
+        sess = OrtSession(onnx_path, cfg, layout, providers=providers, intra_op_threads=intra_op_threads)
+    sess.weights_source = weights_source(onnx_path)
+    return sess
+
+
+def weights_source(onnx_path: Path) -> dict:
+    """What the graph's metadata records about its weights, checked ({} when nothing is recorded);
+    {"kind": "random-init", ...} means the tokens are meaningless (the CLI says so)."""
+    from ..buildfolder import check_weights_source, metadata_json
+    from ..graphs import read_metadata
+    from ..names import WEIGHTS_KEY
+
+    meta = read_metadata(onnx_path)
+    source = metadata_json(meta, WEIGHTS_KEY, onnx_path) if WEIGHTS_KEY in meta else {}
+    if source != {}:
+        check_weights_source(source, f"{onnx_path}: metadata '{WEIGHTS_KEY}'")
+    return source

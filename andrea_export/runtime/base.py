@@ -114,6 +114,7 @@ class Session(abc.ABC):
 
     backend: str = "?"
     max_batch: int | None = None  # rows one step may hold; None: as many as a call brings
+    weights_source: dict | None = None  # what the graph's metadata records (runtime.load sets it)
 
     def __init__(self, cfg: ModelConfig, layout: KVLayout, source: str):
         self.cfg = cfg

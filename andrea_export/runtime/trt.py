@@ -71,6 +71,11 @@ def _tensorrt():
 
 
 def _cudart():
+    from ..errors import gpu_compute_capability
+
+    if gpu_compute_capability() is None:  # said first: without a GPU, no CUDA package would help
+        raise InputError("no GPU on this machine (or no working driver), and the TensorRT backend runs the engine on "
+                         "an NVIDIA GPU; use --backend onnxruntime")
     try:
         from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
     except ImportError:
@@ -119,8 +124,8 @@ class TrtSession(SerialSession):
 
     def __init__(self, engine_path: str | Path, cfg: ModelConfig, layout: KVLayout, *, cuda_graph: bool = True):
         super().__init__(cfg, layout, str(engine_path))
+        self.cudart = rt = _cudart()  # first: on a machine without a GPU, that is what to say
         self.trt = trt = _tensorrt()
-        self.cudart = rt = _cudart()
         self._buffers: list[int] = []
         self.cuda_stream: int | None = None
         self._graph_exec = None

@@ -1,8 +1,8 @@
 """NVRTC compile of the tanh-GELU kernel, and what ptxas makes of it (SASS read with cuobjdump).
 
-Needs the pinned NVRTC wheel (nvidia-cuda-nvrtc==13.0.88); the SASS checks need ptxas (CUDA toolkit or
-nvidia-cuda-nvcc wheel) and cuobjdump (nvidia-cuda-cuobjdump wheel) and are skipped, with the reason,
-without them."""
+Needs the pinned NVRTC wheel (nvidia-cuda-nvrtc==13.0.88); the SASS checks need ptxas and cuobjdump, which
+the dev extra installs (nvidia-cuda-nvcc, nvidia-cuda-cuobjdump wheels; a CUDA toolkit's are used without
+them), and are skipped, with the reason, where neither is there."""
 
 import glob
 import importlib.util
@@ -27,15 +27,13 @@ from andrea_export.plugin.compile import (
 
 
 def _tool(name: str) -> str | None:
-    found = shutil.which(name)
-    if found:
-        return found
+    """The dev extra's pinned wheel first (nvidia/cu13/bin: the same on every machine), else a CUDA toolkit."""
     spec = importlib.util.find_spec("nvidia")
     for root in (spec.submodule_search_locations or []) if spec else []:
         hits = sorted(glob.glob(os.path.join(root, "*", "bin", name)))
         if hits:
             return hits[0]
-    return None
+    return shutil.which(name)
 
 
 @pytest.fixture(scope="module")

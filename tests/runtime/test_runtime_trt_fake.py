@@ -17,6 +17,7 @@ import pytest
 from fake_cuda import DataType, FakeCudart, _Fault, cudaError_t, fake_tensorrt, write_plan
 
 from andrea_export import runtime
+from andrea_export.artifacts import sha256_file
 from andrea_export.config import ANDREA_TINY
 from andrea_export.export import read_config
 from andrea_export.kvcache import optimization_profiles, read_kv_layout
@@ -88,8 +89,10 @@ def _build_folder(folder, graph, **plan):
     folder.mkdir()
     shutil.copy(graph, folder / graph.name)
     write_plan(folder / "decoder.plan", folder / graph.name, optimization_profiles(read_kv_layout(graph)), **plan)
-    artifacts = {"decoder_onnx": {"path": graph.name}, "decoder_engine": {"path": "decoder.plan"}}
-    (folder / "manifest.json").write_text(json.dumps({"artifacts": artifacts}))
+    artifacts = {role: {"path": name, "sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+                 for role, name in (("decoder_onnx", graph.name), ("decoder_engine", "decoder.plan"))}
+    manifest = {"schema_version": 1, "model": read_config(graph).to_dict(), "artifacts": artifacts}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
 
@@ -324,7 +327,10 @@ def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gr
         folder.mkdir()
         shutil.copy(graphs[precision], folder / graphs[precision].name)
         write_plan(folder / "decoder.plan", engine_graph, optimization_profiles(read_kv_layout(engine_graph)))
-        (folder / "decoder.plan.json").write_text("{}")
+        plan = folder / "decoder.plan"  # a sidecar as the builder writes it (read, and checked, by _verify)
+        (folder / "decoder.plan.json").write_text(json.dumps({
+            "builder": "tensorrt", "builder_version": "10.13.3", "plan_bytes": plan.stat().st_size,
+            "plan_sha256": sha256_file(plan), "compute_capabilities": ["9.0"]}))
         report = pipeline._verify(folder, lively_model, precision, artifacts, {}, None, 16)
         got[name] = pipeline._status(report), report.decoder["engine_greedy"]["passed"]
     assert got == {"right": ("passed", True), "wrong": ("failed", False)}
