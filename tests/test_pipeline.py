@@ -162,7 +162,8 @@ def test_verify_build_again_and_tamper_detection(tiny_build, tmp_path):
     with pytest.raises(BuildError, match="weights.fp32.data changed since the build"):
         verify_build(copy)
     result = CliRunner().invoke(main, ["inspect", str(copy), "--json"])
-    assert json.loads(result.output)["integrity"] == "CHANGED since the build: weights.fp32.data"
+    assert result.exit_code == 1  # a changed file is a failed inspection; the JSON report still comes on stdout
+    assert json.loads(result.stdout)["integrity"] == "CHANGED since the build: weights.fp32.data"
 
 
 def test_cli_build_and_inspect(tiny_build):

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..buildfolder import MANIFEST
-from ..errors import installed
+from ..errors import AndreaExportError, installed
 from ..graphs import read_decoder
 from ..names import DECODER_FILE
 from .base import InputError, Request, SerialSession, Session, Steps, check_ids
@@ -58,6 +58,7 @@ def _from_build(folder: Path) -> tuple[Path, Path | None]:
     """A build folder's decoder graph and engine, after checking the manifest and that both files are
     still the ones built (sha256): a changed file is refused, never run."""
     from ..buildfolder import artifact, changed_artifacts, read_manifest
+    from ..external_data import external_data_files
 
     m = read_manifest(folder, full=False, error=InputError)  # what decoding needs, each field checked
     roles = [r for r in ("decoder_onnx", "decoder_engine", "decoder_engine_info") if r in m["artifacts"]]
@@ -66,7 +67,18 @@ def _from_build(folder: Path) -> tuple[Path, Path | None]:
                          "rebuild it with the decoder to generate from it")
     if changed := changed_artifacts(folder, {"artifacts": {r: m["artifacts"][r] for r in roles}}):
         raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
-    return artifact(folder, m, "decoder_onnx"), artifact(folder, m, "decoder_engine") if "decoder_engine" in roles else None
+    decoder = artifact(folder, m, "decoder_onnx")
+    # the weights file(s) the decoder points into are run too: each must be a recorded, unchanged artifact
+    recorded = {a["path"]: (r, a) for r, a in m["artifacts"].items()}
+    try:
+        weights = sorted(external_data_files(decoder))
+    except AndreaExportError as e:
+        raise InputError(str(e)) from None
+    if missing := [w for w in weights if w not in recorded]:
+        raise InputError(f"{folder}: the decoder's weights file {', '.join(missing)} is not in the manifest; rebuild it")
+    if changed := changed_artifacts(folder, {"artifacts": dict(recorded[w] for w in weights)}):
+        raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    return decoder, artifact(folder, m, "decoder_engine") if "decoder_engine" in roles else None
 
 
 def load(
