@@ -409,7 +409,7 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
     Backends are interleaved; speedups are medians of per-iteration ratios. See benchmarks/README.md.
     """
     from . import bench as bench_mod
-    from . import bench_report
+    from .bench import report as bench_report
 
     if compare:
         rows = bench_report.compare(*compare)
