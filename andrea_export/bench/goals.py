@@ -56,6 +56,33 @@ def goals(doc: dict) -> list[dict]:
                    f"({o['gflops']:.0f} GFLOP/s = {o['gflops'] / mm:.0%} of the {mm:.0f} GFLOP/s matmul rate)")
         if (t and o) else "not run",
     })  # fmt: skip
+    out += _peer_goals(doc)
+    return out
+
+
+def _peer_goals(doc: dict) -> list[dict]:
+    """The issue's goals against what users run instead: ours faster than Optimum's decode step, and our
+    `generate` not slower than onnxruntime-genai's on the same build folder (value: peer time / ours)."""
+    out = []
+    for batch, past, target in ((8, 1023, 2.0), (1, 1023, 1.5)):
+        r = _find(doc, scenario="decode", backend="optimum", batch=batch, past=past)
+        x = r.get("x_ours") if r else None
+        out.append({
+            "name": f"decode step, batch {batch}, past {past}: Optimum + ONNX Runtime time / ours",
+            "target": f">= {target:g} (ours {target:g}x faster)",
+            "value": x, "met": (x >= target) if x is not None else None,
+            "detail": f"Optimum {r['median_ms']:.2f} ms; ratio paired by round" if x is not None else "not run",
+        })  # fmt: skip
+    for peer, what in (("optimum", "Optimum + ONNX Runtime"), ("genai", "onnxruntime-genai")):
+        rows = [r for r in doc["rows"] if r["backend"] == peer and r.get("x_ours") is not None]
+        worst = min(rows, key=lambda r: r["x_ours"], default=None)
+        out.append({
+            "name": f"not slower than {what} in any case it runs (the worst case's peer time / ours)",
+            "target": ">= 1",
+            "value": worst["x_ours"] if worst else None, "met": (worst["x_ours"] >= 1.0) if worst else None,
+            "detail": (f"worst: {worst['scenario']} B={worst['batch']} T={worst['seq']} P={worst['past']} "
+                       f"new={worst['new_tokens']}, of {len(rows)} cases") if worst else "not run",
+        })  # fmt: skip
     return out
 
 

@@ -10,16 +10,20 @@ The document (schema_version 1):
       "environment": {...}, "machine": {"bandwidth_GBps", "copy_GBps", "read_GBps", "matmul_GFLOPs", ...},
       "backends": {name: {"status": "ok" | "skipped" | "failed", "reason", ...}},
       "rows": [ROW, ...], "ratios": [RATIO, ...], "goals": [GOAL, ...],
+      "peers": {"ours", "ratios": [PEER, ...], "skipped": [{"peer", "scenario", "reason"}, ...]},
       "warnings": [str, ...], "failed_cases": [{"case", "backends", "error"}, ...],
       "loadavg_end": [1, 5, 15-minute load averages]
     }
 
     ROW   = {"scenario": "prefill" | "decode" | "generate", "backend", "batch", "seq", "past", "new_tokens",
              "tokens", "n", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv",
-             "flops", "bytes", "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "timer"}
+             "flops", "bytes", "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer"}
+            x_ours = median over rounds of t_backend / t_ours (OURS ran in the same rounds; else null)
     RATIO = {"scenario", "batch", "seq", "past", "new_tokens", "baseline", "backend", "speedup"}
             speedup = median over iterations of t_baseline / t_backend (> 1: backend is faster)
     GOAL  = {"name", "target", "value", "met" (bool or null when not measured), "detail"}
+    PEER  = {"scenario", "batch", "seq", "past", "new_tokens", "peer", "peer_ms", "ours_ms", "time_ratio"}
+            time_ratio = the peer row's x_ours (> 1: ours is faster); peers are what users run instead
 
 Rows are matched across runs by ROW_KEY.
 """
@@ -40,8 +44,10 @@ ROW_KEY = ("scenario", "backend", "batch", "seq", "past", "new_tokens")
 CSV_FIELDS = (
     "scenario", "backend", "batch", "seq", "past", "new_tokens", "tokens", "n",
     "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv",
-    "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "timer",
+    "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer",
 )  # fmt: skip
+OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it
+PEERS = ("optimum", "genai")
 REQUIRED_TOP = ("schema_version", "kind", "config", "settings", "environment", "machine", "backends", "rows")
 
 
@@ -87,6 +93,32 @@ def validate(doc: dict, source: str = "result") -> dict:
         if absent:
             raise BenchSchemaError(f"{source}: row {i} lacks {', '.join(absent)}")
     return doc
+
+
+# ---------------------------------------------------------------- the peers
+
+
+def peers(doc: dict) -> dict:
+    """Each peer's time as a multiple of ours, per case (from the rows' x_ours), and where a peer did not
+    run: the whole backend (not installed, failed) or one scenario (no such call), with the reason."""
+    case = ("scenario", "batch", "seq", "past", "new_tokens")
+    ours = {tuple(r[k] for k in case): r for r in doc["rows"] if r["backend"] == OURS}
+    ratios = []
+    for r in doc["rows"]:
+        o = ours.get(tuple(r[k] for k in case))
+        if r["backend"] in PEERS and o is not None and r.get("x_ours") is not None:
+            ratios.append({**{k: r[k] for k in case}, "peer": r["backend"], "peer_ms": r["median_ms"],
+                           "ours_ms": o["median_ms"], "time_ratio": r["x_ours"]})  # fmt: skip
+    skipped = []
+    for name in PEERS:
+        b = doc["backends"].get(name)
+        if b is None:
+            continue
+        if b.get("status") != "ok":
+            skipped.append({"peer": name, "scenario": "all", "reason": f"{b.get('status')}: {b.get('reason')}"})
+        for scen, reason in b.get("skipped_cases", {}).items():
+            skipped.append({"peer": name, "scenario": scen, "reason": reason})
+    return {"ours": OURS, "ratios": ratios, "skipped": skipped}
 
 
 # ---------------------------------------------------------------- CSV and Markdown
@@ -166,6 +198,18 @@ def to_markdown(doc: dict) -> str:
                 f"{r.get('bound') or '-'} | {_fmt(r.get('x_floor'))} | {_fmt(r.get('gflops'))} | {_fmt(r.get('gbps'))} | "
                 f"{_fmt(r.get('tokens_per_s'))} |"
             )
+        out.append("")
+    pe = doc.get("peers") or peers(doc)
+    if pe["ratios"] or pe["skipped"]:
+        out += [f"## Peers: time / ours (`{pe['ours']}`), paired by round; > 1 means ours is faster", ""]
+        if pe["ratios"]:
+            out += ["| scenario | shape | peer | peer ms | ours ms | peer / ours |", "|---|---|---|---:|---:|---:|"]
+            for q in pe["ratios"]:
+                out.append(f"| {q['scenario']} | {_shape(q)} | {q['peer']} | {_fmt(q['peer_ms'])} | "
+                           f"{_fmt(q['ours_ms'])} | {_fmt(q['time_ratio'])} |")  # fmt: skip
+            out.append("")
+        for s in pe["skipped"]:
+            out.append(f"- `{s['peer']}` not run ({s['scenario']}): {s['reason']}")
         out.append("")
     if doc.get("ratios"):
         out += ["## Speedups (per-iteration median of t_baseline / t_backend; > 1 means faster)", "",
@@ -252,7 +296,36 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
         fig.suptitle(f"{name}: decode throughput ({threads} threads)")
         fig.tight_layout()
         written.append(_save(fig, out_dir / "tokens_per_s.png", plt))
+    pr = (doc.get("peers") or peers(doc))["ratios"]
+    if pr:
+        written.append(_peer_plot(pr, name, threads, out_dir / "peers.png", plt))
     return written
+
+
+def _peer_plot(ratios: list[dict], name: str, threads, path: Path, plt) -> Path:
+    """Bars: each peer's time / ours per case, one panel per scenario; the line at 1 is parity."""
+    scens = list(dict.fromkeys(q["scenario"] for q in ratios))
+    names = list(dict.fromkeys(q["peer"] for q in ratios))
+    fig, axes = plt.subplots(1, len(scens), figsize=(4.5 * len(scens), 4), squeeze=False, sharey=True)
+    for ax, scen in zip(axes[0], scens):
+        rows = [q for q in ratios if q["scenario"] == scen]
+        shapes = list(dict.fromkeys(_shape(q) for q in rows))
+        width = 0.8 / len(names)
+        for j, peer in enumerate(names):
+            vals = {_shape(q): q["time_ratio"] for q in rows if q["peer"] == peer}
+            xs = [i + j * width for i, s in enumerate(shapes) if s in vals]
+            if not xs:  # this peer has no call for this scenario (listed as skipped in the report)
+                continue
+            ax.bar(xs, [vals[s] for s in shapes if s in vals], width, label=peer, color=f"C{j + 2}")
+        ax.axhline(1.0, color="k", linewidth=1, linestyle="--")
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(shapes))], shapes, rotation=30, fontsize=7)
+        ax.set_title(scen)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("peer time / ours (> 1: ours is faster)")
+    fig.suptitle(f"{name}: the peers on the same weights, same rounds ({threads} threads)")
+    fig.tight_layout()
+    return _save(fig, path, plt)
 
 
 def _save(fig, path: Path, plt) -> Path:

@@ -20,7 +20,7 @@ from .backends import BACKENDS, DEFAULT_BACKENDS, Backend, Context, Unavailable,
 from .goals import goals, print_summary
 from .harness import Settings, Stats, cuda_event_timer, ratio_median, run_interleaved
 from .machine import _load_warnings, _loadavg, combine_limits, environment, measure_machine
-from .report import KIND, SCHEMA_VERSION, write_outputs
+from .report import KIND, OURS, SCHEMA_VERSION, peers, write_outputs
 from .work import (
     DECODE_GRID,
     GENERATE_GRID,
@@ -174,8 +174,10 @@ def run_benchmark(
             progress.remove_task(task)
             flops, nbytes = scenario_work(cfg, scenario, batch, seq, past, new_tokens)
             for name, s in samples.items():
+                x_ours = ratio_median(s, samples[OURS]) if OURS in samples else None  # t / t_ours, paired by round
                 measured.append((scenario, name, batch, seq, past, new_tokens, Stats.from_ns(s), flops, nbytes,
-                                 devices[name], "cuda-events" if timers[name] is cuda_event_timer else "perf_counter_ns"))  # fmt: skip
+                                 devices[name], "cuda-events" if timers[name] is cuda_event_timer else "perf_counter_ns",
+                                 x_ours))  # fmt: skip
             names = list(samples)
             for i, base in enumerate(names):  # every pair, the earlier backend as baseline
                 for other in names[i + 1:]:
@@ -190,7 +192,7 @@ def run_benchmark(
     machine["cpu"] = combine_limits(machine["cpu"], measure_machine(threads, quick=quick))
     if "cuda" in machine:
         machine["cuda"] = combine_limits(machine["cuda"], measure_machine(threads, quick=quick, device="cuda"))
-    rows = [_row(*m[:9], machine.get(m[9], machine["cpu"]), m[10]) for m in measured]  # GPU rows: GPU limits
+    rows = [_row(*m[:9], machine.get(m[9], machine["cpu"]), *m[10:]) for m in measured]  # GPU rows: GPU limits
     doc = {
         "schema_version": SCHEMA_VERSION,
         "kind": KIND,
@@ -218,6 +220,7 @@ def run_benchmark(
         notes.append("faster than the floor (x floor < 0.95): " + ", ".join(below) + ". The limit measurements "
                      "were disturbed, or a large square matmul understates this machine's rate for these shapes")  # fmt: skip
     doc["warnings"] = notes
+    doc["peers"] = peers(doc)
     doc["goals"] = goals(doc)
     if tmp is not None:
         tmp.cleanup()
@@ -229,7 +232,8 @@ def run_benchmark(
     return doc
 
 
-def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbytes, machine, timer) -> dict:
+def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbytes, machine, timer,
+         x_ours: float | None = None) -> dict:  # fmt: skip
     floor_s, bound = floor_seconds(flops, nbytes, machine)
     med_s = st.median_ms / 1e3
     tokens = batch * (seq if scenario == "prefill" else new_tokens)
@@ -239,7 +243,7 @@ def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbyt
         "flops": flops, "bytes": nbytes, "floor_ms": floor_s * 1e3, "bound": bound,
         "x_floor": med_s / floor_s if floor_s else None,
         "gflops": flops / med_s / 1e9 if med_s else None, "gbps": nbytes / med_s / 1e9 if med_s else None,
-        "tokens_per_s": tokens / med_s if med_s else None, "timer": timer,
+        "tokens_per_s": tokens / med_s if med_s else None, "x_ours": x_ours, "timer": timer,
     }  # fmt: skip
 
 

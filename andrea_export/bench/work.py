@@ -12,7 +12,7 @@ SCENARIOS = ("prefill", "decode", "generate")
 # Full grids (clipped to the model's context). (batch, seq) / (batch, past) / (batch, prompt, new tokens).
 PREFILL_GRID = [(b, t) for b in (1, 4, 16) for t in (32, 128, 512, 1024)]
 DECODE_GRID = [(1, 127)] + [(b, p) for b in (1, 8, 32) for p in (128, 512, 1023)]  # (1, 127): the goal's case
-GENERATE_GRID = [(1, 128, 64), (8, 128, 64)]
+GENERATE_GRID = [(1, 128, 64), (8, 128, 64), (1, 32, 128), (8, 32, 128)]  # 32 + 128: the peers' goal case
 QUICK_PREFILL_GRID = [(1, 32), (1, 128)]
 QUICK_DECODE_GRID = [(1, 127), (8, 128)]
 QUICK_GENERATE_GRID = [(1, 32, 16)]

@@ -7,13 +7,15 @@ from collections.abc import Iterable
 
 from ...errors import AndreaExportError
 from .base import Backend, Context, Unavailable, default_cache_dir, weights_fingerprint
+from .genai import GenaiBackend
 from .mem import MemReadBackend
-from .ort import OrtBackend
+from .optimum import OptimumBackend
+from .ort import OrtBackend, session_options
 from .pytorch import TorchBackend, torch_greedy
 from .tensorrt import TrtBackend
 
-BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin")
-DEFAULT_BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin")
+BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin", "optimum", "genai")
+DEFAULT_BACKENDS = BACKENDS
 
 
 def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = False) -> list[Backend]:
@@ -27,6 +29,10 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
             out.append(OrtBackend("CPUExecutionProvider", spin=ort_spin))
         elif n == "ort-cuda":
             out.append(OrtBackend("CUDAExecutionProvider", spin=ort_spin))
+        elif n == "optimum":
+            out.append(OptimumBackend(spin=ort_spin))
+        elif n == "genai":
+            out.append(GenaiBackend())
         elif n in ("trt-native", "trt-plugin"):
             out.append(TrtBackend(n.split("-", 1)[1], (trt_engines or {}).get(n)))
         else:
@@ -34,5 +40,6 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
     return out
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "MemReadBackend", "OrtBackend", "TorchBackend",
-           "TrtBackend", "Unavailable", "default_cache_dir", "make_backends", "torch_greedy", "weights_fingerprint"]
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "GenaiBackend", "MemReadBackend",
+           "OptimumBackend", "OrtBackend", "TorchBackend", "TrtBackend", "Unavailable", "default_cache_dir",
+           "make_backends", "session_options", "torch_greedy", "weights_fingerprint"]

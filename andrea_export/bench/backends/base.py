@@ -34,7 +34,8 @@ class Context:
         self.quiet = quiet
         self.fingerprint = weights_fingerprint(self.model)
 
-    def _cached(self, name: str, export: Callable[[Path], object]) -> Path:
+    def cached(self, name: str, export: Callable[[Path], object]) -> Path:
+        """workdir/<model>-<weights>-<exporter>/name, made by export(path) when it is not there yet."""
         path = self.workdir / f"{self.cfg.name}-{self.fingerprint}-{_exporter_fingerprint()}" / name
         if not path.is_file():
             export(path)
@@ -43,14 +44,14 @@ class Context:
     def prefill_onnx(self) -> Path:
         from ...export import export_onnx
 
-        return self._cached("model.onnx", lambda p: export_onnx(self.model, p, quiet=self.quiet))
+        return self.cached("model.onnx", lambda p: export_onnx(self.model, p, quiet=self.quiet))
 
     def decoder_onnx(self) -> Path:
         try:
             from ...kvcache import export_decoder_onnx
         except ImportError as e:
             raise Unavailable(f"no KV-cache decoder export in this andrea-export ({e})") from None
-        return self._cached("decoder.onnx", lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
+        return self.cached("decoder.onnx", lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
 
 
 def _exporter_fingerprint() -> str:

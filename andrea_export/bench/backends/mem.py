@@ -7,6 +7,7 @@ import torch
 from ..work import forward_bytes
 from .base import Backend, Context
 
+
 class MemReadBackend(Backend):
     """The decode floor, measured in the same interleaved rounds as the backends: a decode step must read
     every weight and the KV cache once, so this reads that many bytes (torch.sum over a float32 buffer

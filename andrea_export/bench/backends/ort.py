@@ -9,6 +9,23 @@ import torch
 
 from .base import Backend, Unavailable
 
+
+def session_options(threads: int, spin: bool = False):
+    """The ONNX Runtime session options of every ORT-based backend (ours and the peers'), so that they
+    differ in graph and loop only: `threads` intra-op threads, one inter-op thread, sequential, all graph
+    optimizations, spin-waiting as `spin`."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.add_session_config_entry("session.intra_op.allow_spinning", "1" if spin else "0")
+    so.log_severity_level = 3
+    return so
+
+
 class OrtBackend(Backend):
     """ONNX Runtime with IO binding: CPU EP (intra_op_num_threads = threads, inter_op 1, sequential) or CUDA EP.
 
@@ -36,17 +53,8 @@ class OrtBackend(Backend):
         return None
 
     def setup(self, ctx):
-        import onnxruntime as ort
-
         self.ctx = ctx
-        so = ort.SessionOptions()
-        so.intra_op_num_threads = ctx.threads
-        so.inter_op_num_threads = 1
-        so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        so.add_session_config_entry("session.intra_op.allow_spinning", "1" if self.spin else "0")
-        so.log_severity_level = 3
-        self.options = so
+        self.options = session_options(ctx.threads, self.spin)
         return {"threads": ctx.threads, "inter_op_threads": 1, "provider": self.provider, "spin_wait": self.spin,
                 "graph_optimization": "ORT_ENABLE_ALL", "io_binding": True}  # fmt: skip
 

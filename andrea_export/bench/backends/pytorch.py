@@ -7,6 +7,7 @@ import torch
 from ...model import Andrea
 from .base import Backend, Context
 
+
 class TorchBackend(Backend):
     """PyTorch eager, float32, inference mode, torch.set_num_threads(threads)."""
 

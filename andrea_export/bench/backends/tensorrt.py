@@ -12,6 +12,7 @@ from ...names import INPUT_IDS
 from ..harness import cpu_timer, cuda_event_timer
 from .base import Backend, Unavailable
 
+
 class TrtBackend(Backend):
     """A TensorRT engine (GPU host only): `variant` "native" (ONNX Gelu -> TensorRT's own layers) or
     "plugin" (tanh-GELU as the project's plugin). Engines are built by the build stage and passed in as
