@@ -41,13 +41,16 @@ from .backends import (
     DEFAULT_BACKENDS,
     Backend,
     Context,
+    GenaiBackend,
     MemReadBackend,
+    OptimumBackend,
     OrtBackend,
     TorchBackend,
     TrtBackend,
     Unavailable,
     default_cache_dir,
     make_backends,
+    session_options,
     torch_greedy,
     weights_fingerprint,
 )
@@ -64,6 +67,7 @@ from .harness import (
     run_interleaved,
 )
 from .machine import combine_limits, environment, measure_machine
+from .report import OURS, PEERS, peers
 from .run import parse_engine_specs, parse_names, run_benchmark
 from .work import (
     DECODE_GRID,
@@ -85,6 +89,11 @@ from .work import (
 
 __all__ = [
     "BACKENDS",
+    "OURS",
+    "PEERS",
+    "GenaiBackend",
+    "OptimumBackend",
+    "peers",
     "Settings",
     "Stats",
     "attention_flops",
