@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Latency of ANDREA-120M: PyTorch eager vs ONNX Runtime vs TensorRT (native GELU, plugin GELU), beside the
-peers (Optimum, onnxruntime-genai), on the
-harness in andrea_export/bench/. See benchmarks/README.md for the method and what each number means.
+peers (Optimum, onnxruntime-genai), on the harness in andrea_export/bench/. See benchmarks/README.md for
+the method and what each number means.
 
     python benchmarks/latency.py                              # full grid, all backends this host has
     python benchmarks/latency.py --quick                      # about a minute on 2 cores
