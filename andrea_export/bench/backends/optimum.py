@@ -69,8 +69,13 @@ class OptimumBackend(OrtBackend):
     def prepare(self, scenarios):
         from optimum.onnxruntime import ORTModelForCausalLM
 
-        onnx = self.ctx.cached(f"optimum-{_versions()}/model.onnx", lambda p: export_with_optimum(self.ctx.model, p.parent))
-        self.hf = ORTModelForCausalLM.from_pretrained(onnx.parent, session_options=self.options, provider=self.provider)
+        try:
+            onnx = self.ctx.cached(f"optimum-{_versions()}/model.onnx",
+                                   lambda p: export_with_optimum(self.ctx.model, p.parent))  # fmt: skip
+            self.hf = ORTModelForCausalLM.from_pretrained(onnx.parent, session_options=self.options,
+                                                          provider=self.provider)  # fmt: skip
+        except Exception as e:  # a third-party exporter's error (any type) fails this peer, not the whole run
+            raise Unavailable(f"Optimum's export or load failed: {type(e).__name__}: {e}") from e
         names = [i.name for i in self.hf.session.get_inputs()]
         self.past_names = [n for n in names if n.startswith("past_key_values.")]
         if len(self.past_names) != 2 * self.ctx.cfg.n_layer:
