@@ -43,10 +43,12 @@ def _ready(backend, ctx, scenarios=bench.SCENARIOS):
     return backend
 
 
-def test_optimum_computes_what_ours_does(ctx):
-    """Optimum's graph (its own export through transformers' GPT-2) gives our logits on the same prefill and
-    decode inputs, and its generate() our greedy tokens."""
-    ours, peer = _ready(bench.OrtBackend(), ctx), _ready(bench.OptimumBackend(), ctx)
+@pytest.mark.parametrize("graph", ["optimum", "ours"])
+def test_optimum_computes_what_ours_does(ctx, graph):
+    """Optimum's graph (its own export through transformers' GPT-2), or ours as `export --hf-folder` writes
+    it, in ORTModelForCausalLM: our logits on the same prefill and decode inputs, our greedy tokens."""
+    ours, peer = _ready(bench.OrtBackend(), ctx), _ready(bench.OptimumBackend(graph=graph), ctx)
+    assert peer.name == {"optimum": "optimum", "ours": "optimum-hf-folder"}[graph]
     (ids,) = bench._inputs(ctx.cfg, "prefill", 2, 16, 0, seed=0)
     want = ours.prefill(ids)().copy_outputs_to_cpu()[0]
     got = peer.prefill(ids)().copy_outputs_to_cpu()[0]  # logits first, then the cache Optimum returns

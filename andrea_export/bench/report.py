@@ -47,7 +47,7 @@ CSV_FIELDS = (
     "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer",
 )  # fmt: skip
 OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it
-PEERS = ("optimum", "genai")
+PEERS = ("optimum", "genai", "optimum-hf-folder")
 REQUIRED_TOP = ("schema_version", "kind", "config", "settings", "environment", "machine", "backends", "rows")
 
 

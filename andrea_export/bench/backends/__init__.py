@@ -14,8 +14,9 @@ from .ort import OrtBackend, session_options
 from .pytorch import TorchBackend, torch_greedy
 from .tensorrt import TrtBackend
 
-BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin", "optimum", "genai")
-DEFAULT_BACKENDS = BACKENDS
+BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin", "optimum", "genai",
+            "optimum-hf-folder")
+DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
 
 
 def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = False) -> list[Backend]:
@@ -31,6 +32,8 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
             out.append(OrtBackend("CUDAExecutionProvider", spin=ort_spin))
         elif n == "optimum":
             out.append(OptimumBackend(spin=ort_spin))
+        elif n == "optimum-hf-folder":
+            out.append(OptimumBackend(spin=ort_spin, graph="ours"))
         elif n == "genai":
             out.append(GenaiBackend())
         elif n in ("trt-native", "trt-plugin"):

@@ -44,11 +44,17 @@ def _versions() -> str:
 
 
 class OptimumBackend(OrtBackend):
-    """Optimum's ORTModelForCausalLM on its own GPT-2 export of the same weights, CPU execution provider."""
+    """Optimum's ORTModelForCausalLM on its own GPT-2 export of the same weights, CPU execution provider.
 
-    def __init__(self, spin: bool = False):
+    `graph="ours"` (backend `optimum-hf-folder`): the same loader on our decoder as `export --hf-folder`
+    writes it, so that only Optimum's loop differs from ours (its generate against ours)."""
+
+    def __init__(self, spin: bool = False, graph: str = "optimum"):
         super().__init__("CPUExecutionProvider", spin=spin)
-        self.name = "optimum"
+        if graph not in ("optimum", "ours"):
+            raise ValueError(f"graph must be 'optimum' or 'ours', not {graph!r}")
+        self.graph = graph
+        self.name = "optimum" if graph == "optimum" else "optimum-hf-folder"
 
     def check(self):
         for module in ("optimum.onnxruntime", "transformers"):
@@ -62,16 +68,23 @@ class OptimumBackend(OrtBackend):
 
     def setup(self, ctx):
         info = super().setup(ctx)
+        exporter = f"optimum main_export, task {TASK}" if self.graph == "optimum" else "ours: export --hf-folder"
         info.update(io_binding="prefill/decode: bound as ours; generate: ORTModelForCausalLM's own",
-                    exporter=f"optimum main_export, task {TASK}", versions=_versions())  # fmt: skip
+                    exporter=exporter, versions=_versions())  # fmt: skip
         return info
 
     def prepare(self, scenarios):
         from optimum.onnxruntime import ORTModelForCausalLM
 
         try:
-            onnx = self.ctx.cached(f"optimum-{_versions()}/model.onnx",
-                                   lambda p: export_with_optimum(self.ctx.model, p.parent))  # fmt: skip
+            if self.graph == "optimum":
+                onnx = self.ctx.cached(f"optimum-{_versions()}/model.onnx",
+                                       lambda p: export_with_optimum(self.ctx.model, p.parent))  # fmt: skip
+            else:
+                from ...hf import write_hf_folder
+
+                onnx = self.ctx.cached("hf-folder/model.onnx",
+                                       lambda p: write_hf_folder(self.ctx.model, p.parent, quiet=True))  # fmt: skip
             self.hf = ORTModelForCausalLM.from_pretrained(onnx.parent, session_options=self.options,
                                                           provider=self.provider)  # fmt: skip
         except Exception as e:  # a third-party exporter's error (any type) fails this peer, not the whole run
