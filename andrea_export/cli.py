@@ -381,8 +381,9 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @config_option
 @seed_option
 @click.option("--quick", is_flag=True, help="Small grids and few repeats: 1-2 minutes for ANDREA-120M on 2 cores.")
-@click.option("--backends", default="torch,ort-cpu,ort-cuda,trt-native,trt-plugin", show_default=True,
-              help="Comma-separated. Backends this host cannot run are reported as skipped, with the reason.")
+@click.option("--backends", default="torch,ort-cpu,ort-cuda,trt-native,trt-plugin,optimum,genai", show_default=True,
+              help="Comma-separated. Backends this host cannot run are reported as skipped, with the reason. "
+                   "optimum and genai are the peers (what users run instead), reported as time / ort-cpu's.")
 @click.option("--scenarios", default="prefill,decode,generate", show_default=True, help="Comma-separated.")
 @click.option("--threads", type=int, default=None, help="Threads for every backend and the limit measurements "
               "(default: the CPUs this process may use).")
@@ -409,7 +410,7 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
     Backends are interleaved; speedups are medians of per-iteration ratios. See benchmarks/README.md.
     """
     from . import bench as bench_mod
-    from . import bench_report
+    from .bench import report as bench_report
 
     if compare:
         rows = bench_report.compare(*compare)

@@ -119,3 +119,22 @@ def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, 
         (tmp / HF_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
     return out
+
+
+def to_transformers(model):
+    """transformers' GPT2LMHeadModel holding `model`'s weights (config from `hf_config`): the model a
+    Hugging Face user would export with Optimum. Our Linear weights are [out, in]; GPT-2's Conv1D is
+    [in, out]."""
+    from .checkpoint import CONV1D
+    from .errors import require
+
+    transformers = require("transformers", "hf", "a Hugging Face GPT-2 of these weights")
+    conf = {k: v for k, v in hf_config(model.cfg).items() if k != "architectures"}
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conf)).eval()
+    state = {f"transformer.{k}": (v.t() if k.endswith(CONV1D) else v).contiguous()
+             for k, v in model.state_dict().items()}  # fmt: skip
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:  # the head is tied to wte
+        raise ExportError(f"GPT-2 layout mismatch: missing {missing}, unexpected {unexpected}")
+    hf.tie_weights()
+    return hf

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Latency of ANDREA-120M: PyTorch eager vs ONNX Runtime vs TensorRT (native GELU, plugin GELU), on the
-harness in andrea_export/bench.py. See benchmarks/README.md for the method and what each number means.
+"""Latency of ANDREA-120M: PyTorch eager vs ONNX Runtime vs TensorRT (native GELU, plugin GELU), beside the
+peers (Optimum, onnxruntime-genai), on the harness in andrea_export/bench/. See benchmarks/README.md for
+the method and what each number means.
 
     python benchmarks/latency.py                              # full grid, all backends this host has
     python benchmarks/latency.py --quick                      # about a minute on 2 cores
@@ -33,7 +34,8 @@ def _grid(text: str | None, n: int):
 
 
 def main(argv=None) -> int:
-    from andrea_export import bench, bench_report
+    from andrea_export import bench
+    from andrea_export.bench import report as bench_report
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=None, help="preset name or JSON file (default: from the checkpoint, else andrea-120m)")

@@ -1,0 +1,48 @@
+"""The backends: one module each (Polygraphy's layout), all behind `Backend` (base.py). `make_backends`
+turns names into instances."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from ...errors import AndreaExportError
+from .base import Backend, Context, Unavailable, default_cache_dir, weights_fingerprint
+from .genai import GenaiBackend
+from .mem import MemReadBackend
+from .optimum import OptimumBackend
+from .ort import OrtBackend, session_options
+from .pytorch import TorchBackend, torch_greedy
+from .tensorrt import TrtBackend
+
+BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cuda", "trt-native", "trt-plugin", "optimum", "genai",
+            "optimum-hf-folder")
+DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
+
+
+def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = False) -> list[Backend]:
+    out = []
+    for n in names:
+        if n == "mem-read":
+            out.append(MemReadBackend())
+        elif n == "torch":
+            out.append(TorchBackend())
+        elif n == "ort-cpu":
+            out.append(OrtBackend("CPUExecutionProvider", spin=ort_spin))
+        elif n == "ort-cuda":
+            out.append(OrtBackend("CUDAExecutionProvider", spin=ort_spin))
+        elif n == "optimum":
+            out.append(OptimumBackend(spin=ort_spin))
+        elif n == "optimum-hf-folder":
+            out.append(OptimumBackend(spin=ort_spin, graph="ours"))
+        elif n == "genai":
+            out.append(GenaiBackend())
+        elif n in ("trt-native", "trt-plugin"):
+            out.append(TrtBackend(n.split("-", 1)[1], (trt_engines or {}).get(n)))
+        else:
+            raise AndreaExportError(f"unknown backend {n!r}; known: {', '.join(BACKENDS)}")
+    return out
+
+
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "GenaiBackend", "MemReadBackend",
+           "OptimumBackend", "OrtBackend", "TorchBackend", "TrtBackend", "Unavailable", "default_cache_dir",
+           "make_backends", "session_options", "torch_greedy", "weights_fingerprint"]

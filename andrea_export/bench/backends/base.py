@@ -1,0 +1,115 @@
+"""What every backend shares: the Backend interface, the Unavailable error, and the Context (model,
+threads, exported ONNX files cached per weights fingerprint)."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ...errors import AndreaExportError
+from ...model import Andrea
+from ..harness import Timer, cpu_timer
+
+
+class Unavailable(AndreaExportError):
+    """A backend (or one scenario of it) cannot run here; the message says why."""
+
+
+class Context:
+    """What every backend shares: the model, its config, the thread count, and the exported ONNX files
+    (made once per weights fingerprint and cached under `workdir`)."""
+
+    def __init__(self, model: Andrea, threads: int, workdir: Path, quiet: bool = True):
+        self.model = model.float().cpu().eval()
+        self.cfg = model.cfg
+        self.threads = threads
+        self.workdir = Path(workdir)
+        self.quiet = quiet
+        self.fingerprint = weights_fingerprint(self.model)
+
+    def cached(self, name: str, export: Callable[[Path], object]) -> Path:
+        """workdir/<model>-<weights>-<exporter>/name, made by export(path) when it is not there yet."""
+        path = self.workdir / f"{self.cfg.name}-{self.fingerprint}-{_exporter_fingerprint()}" / name
+        if not path.is_file():
+            export(path)
+        return path
+
+    def prefill_onnx(self) -> Path:
+        from ...export import export_onnx
+
+        return self.cached("model.onnx", lambda p: export_onnx(self.model, p, quiet=self.quiet))
+
+    def decoder_onnx(self) -> Path:
+        try:
+            from ...kvcache import export_decoder_onnx
+        except ImportError as e:
+            raise Unavailable(f"no KV-cache decoder export in this andrea-export ({e})") from None
+        return self.cached("decoder.onnx", lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
+
+
+def _exporter_fingerprint() -> str:
+    """sha256 (8 hex digits) of the sources that shape the exported graphs, so a changed exporter never
+    reuses a stale cached file."""
+    h = hashlib.sha256()
+    here = Path(__file__).resolve().parents[2]  # andrea_export/
+    for f in ("model.py", "export.py", "kvcache.py"):
+        with contextlib.suppress(OSError):
+            h.update((here / f).read_bytes())
+    h.update(torch.__version__.encode())
+    return h.hexdigest()[:8]
+
+
+def default_cache_dir() -> Path:
+    """Where exported ONNX files are cached between runs: $ANDREA_EXPORT_CACHE, else ~/.cache/andrea-export/bench."""
+    if os.environ.get("ANDREA_EXPORT_CACHE"):
+        return Path(os.environ["ANDREA_EXPORT_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "andrea-export" / "bench"
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """sha256 (16 hex digits) of the config and every tensor of the state dict: names the cached exports."""
+    h = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
+    for name, t in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class Backend:
+    """One way to run the model. Each scenario method returns a zero-argument callable that runs one
+    iteration synchronously (inputs bound once, outside the timed call)."""
+
+    name = "?"
+    device = "cpu"
+    timer: Timer = staticmethod(cpu_timer)
+
+    def check(self) -> str | None:
+        """None when the backend can run here, else the reason it cannot."""
+        return None
+
+    def setup(self, ctx: Context) -> dict:
+        """Prepare (sessions, engines). Returns facts for the report (threads, providers, ...)."""
+        return {}
+
+    def prepare(self, scenarios: Iterable[str]) -> None:
+        """Do the slow one-off work (exports, session loads) before the timed cases; Unavailable if impossible."""
+
+    def timer_for(self, scenario: str) -> Timer:
+        """The clock for a scenario's calls (CUDA events for device work; wall clock for host loops)."""
+        return self.timer
+
+    def prefill(self, ids: np.ndarray) -> Callable[[], object]:
+        raise Unavailable(f"{self.name}: prefill not implemented")
+
+    def decode(self, ids: np.ndarray, mask: np.ndarray, past: list[np.ndarray]) -> Callable[[], object]:
+        raise Unavailable(f"{self.name}: decode not implemented")
+
+    def generate(self, prompt: np.ndarray, new_tokens: int) -> Callable[[], object]:
+        raise Unavailable(f"{self.name}: generate not implemented")

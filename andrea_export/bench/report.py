@@ -1,0 +1,398 @@
+"""Benchmark outputs: the JSON document (stable schema), CSV, a Markdown table, PNG plots, and
+`compare()` of two runs. Pure functions of the result document; `run.py` produces it.
+
+The document (schema_version 1):
+
+    {
+      "schema_version": 1, "kind": "andrea-export-bench", "created": ISO-8601,
+      "config": ModelConfig dict, "weights": {"source", "fingerprint"},
+      "settings": {"threads", "quick", "warmup", "min_repeats", "max_repeats", "budget_s", ...},
+      "environment": {...}, "machine": {"bandwidth_GBps", "copy_GBps", "read_GBps", "matmul_GFLOPs", ...},
+      "backends": {name: {"status": "ok" | "skipped" | "failed", "reason", ...}},
+      "rows": [ROW, ...], "ratios": [RATIO, ...], "goals": [GOAL, ...],
+      "peers": {"ours", "ratios": [PEER, ...], "skipped": [{"peer", "scenario", "reason"}, ...]},
+      "warnings": [str, ...], "failed_cases": [{"case", "backends", "error"}, ...],
+      "loadavg_end": [1, 5, 15-minute load averages]
+    }
+
+    ROW   = {"scenario": "prefill" | "decode" | "generate", "backend", "batch", "seq", "past", "new_tokens",
+             "tokens", "n", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv",
+             "flops", "bytes", "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer"}
+            x_ours = median over rounds of t_backend / t_ours (OURS ran in the same rounds; else null)
+    RATIO = {"scenario", "batch", "seq", "past", "new_tokens", "baseline", "backend", "speedup"}
+            speedup = median over iterations of t_baseline / t_backend (> 1: backend is faster)
+    GOAL  = {"name", "target", "value", "met" (bool or null when not measured), "detail"}
+    PEER  = {"scenario", "batch", "seq", "past", "new_tokens", "peer", "peer_ms", "ours_ms", "time_ratio"}
+            time_ratio = the peer row's x_ours (> 1: ours is faster); peers are what users run instead
+
+Rows are matched across runs by ROW_KEY.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from ..artifacts import write_text_atomic
+from ..errors import AndreaExportError
+
+SCHEMA_VERSION = 1
+KIND = "andrea-export-bench"
+ROW_KEY = ("scenario", "backend", "batch", "seq", "past", "new_tokens")
+CSV_FIELDS = (
+    "scenario", "backend", "batch", "seq", "past", "new_tokens", "tokens", "n",
+    "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv",
+    "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer",
+)  # fmt: skip
+OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it
+PEERS = ("optimum", "genai", "optimum-hf-folder")
+REQUIRED_TOP = ("schema_version", "kind", "config", "settings", "environment", "machine", "backends", "rows")
+
+
+class BenchSchemaError(AndreaExportError):
+    """A file is not a benchmark result this version can read."""
+
+
+# ---------------------------------------------------------------- JSON
+
+
+def to_json(doc: dict) -> str:
+    return json.dumps(doc, indent=2, sort_keys=False, allow_nan=False) + "\n"
+
+
+def write_json(doc: dict, path: str | Path) -> Path:
+    return write_text_atomic(path, to_json(doc))
+
+
+def load_json(path: str | Path) -> dict:
+    """Read and check a result document (schema version and required keys)."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise BenchSchemaError(f"{path}: no such benchmark result") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BenchSchemaError(f"{path}: not valid JSON ({e})") from None
+    return validate(doc, source=str(path))
+
+
+def validate(doc: dict, source: str = "result") -> dict:
+    if not isinstance(doc, dict) or doc.get("kind") != KIND:
+        raise BenchSchemaError(f"{source}: not an andrea-export benchmark result (kind != {KIND!r})")
+    if doc.get("schema_version") != SCHEMA_VERSION:
+        raise BenchSchemaError(
+            f"{source}: schema_version {doc.get('schema_version')!r}; this andrea-export reads {SCHEMA_VERSION}"
+        )
+    missing = [k for k in REQUIRED_TOP if k not in doc]
+    if missing:
+        raise BenchSchemaError(f"{source}: missing key(s) {', '.join(missing)}")
+    for i, row in enumerate(doc["rows"]):
+        absent = [k for k in ROW_KEY + ("median_ms",) if k not in row]
+        if absent:
+            raise BenchSchemaError(f"{source}: row {i} lacks {', '.join(absent)}")
+    return doc
+
+
+# ---------------------------------------------------------------- the peers
+
+
+def peers(doc: dict) -> dict:
+    """Each peer's time as a multiple of ours, per case (from the rows' x_ours), and where a peer did not
+    run: the whole backend (not installed, failed) or one scenario (no such call), with the reason."""
+    case = ("scenario", "batch", "seq", "past", "new_tokens")
+    ours = {tuple(r[k] for k in case): r for r in doc["rows"] if r["backend"] == OURS}
+    ratios = []
+    for r in doc["rows"]:
+        o = ours.get(tuple(r[k] for k in case))
+        if r["backend"] in PEERS and o is not None and r.get("x_ours") is not None:
+            ratios.append({**{k: r[k] for k in case}, "peer": r["backend"], "peer_ms": r["median_ms"],
+                           "ours_ms": o["median_ms"], "time_ratio": r["x_ours"]})  # fmt: skip
+    skipped = []
+    for name in PEERS:
+        b = doc["backends"].get(name)
+        if b is None:
+            continue
+        if b.get("status") != "ok":
+            skipped.append({"peer": name, "scenario": "all", "reason": f"{b.get('status')}: {b.get('reason')}"})
+        for scen, reason in b.get("skipped_cases", {}).items():
+            skipped.append({"peer": name, "scenario": scen, "reason": reason})
+    return {"ours": OURS, "ratios": ratios, "skipped": skipped}
+
+
+# ---------------------------------------------------------------- CSV and Markdown
+
+
+def to_csv(doc: dict) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for row in doc["rows"]:
+        w.writerow({k: ("" if row.get(k) is None else row.get(k)) for k in CSV_FIELDS})
+    return buf.getvalue()
+
+
+def _fmt(v, digits=3):
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 100:
+            return f"{v:,.0f}"
+        return f"{v:.{digits}g}"
+    return str(v)
+
+
+def _shape(row: dict) -> str:
+    if row["scenario"] == "prefill":
+        return f"B={row['batch']} T={row['seq']}"
+    if row["scenario"] == "decode":
+        return f"B={row['batch']} P={row['past']}"
+    return f"B={row['batch']} prompt={row['seq']} new={row['new_tokens']}"
+
+
+def to_markdown(doc: dict) -> str:
+    """Markdown: a header on the machine, one table per scenario, the speedups and the goals."""
+    m, s = doc["machine"], doc["settings"]
+    cfg = doc["config"]
+    env = doc["environment"]
+    out = [
+        f"# andrea-export benchmark: {cfg.get('name')}",
+        "",
+        (f"- created {doc.get('created', '?')}, git {env.get('git', {}).get('revision', '?')}"
+        f"{' (dirty)' if env.get('git', {}).get('dirty') else ''}"),
+        (f"- CPU: {env.get('cpu', {}).get('model', '?')}, {env.get('cpu', {}).get('logical_cores', '?')} logical cores; "
+        f"threads used: {s.get('threads')}; load average at start {env.get('loadavg_start')}, end {doc.get('loadavg_end')}"),
+        (f"- measured limits: memory bandwidth {_fmt(m.get('bandwidth_GBps'))} GB/s "
+        f"(copy {_fmt(m.get('copy_GBps'))}, read {_fmt(m.get('read_GBps'))}), "
+        f"fp32 matmul {_fmt(m.get('matmul_GFLOPs'))} GFLOP/s ({s.get('threads')} threads)"),
+        f"- weights: {doc.get('weights', {}).get('source', '?')}; mode: {'quick' if s.get('quick') else 'full'}",
+        "",
+        ("`x floor` = median / floor, where floor = max(FLOPs / matmul rate, bytes / bandwidth): "
+        "1.0 would be the machine's limit."),
+        "",
+    ]
+    for w in doc.get("warnings", []):
+        out.append(f"- **WARNING**: {w}")
+    for f in doc.get("failed_cases", []):
+        out.append(f"- **FAILED** {f['case']} ({', '.join(f['backends'])}): {f['error']}")
+    for name, b in doc["backends"].items():
+        if b.get("status") != "ok":
+            out.append(f"- backend `{name}`: {b.get('status')}: {b.get('reason')}")
+    out.append("")
+    titles = {"prefill": "Prefill (whole prompt, logits for every token)",
+              "decode": "One decode step with the KV cache", "generate": "Greedy generation end to end"}
+    for scen, title in titles.items():
+        rows = [r for r in doc["rows"] if r["scenario"] == scen]
+        if not rows:
+            continue
+        out += [f"## {title}", "",
+                "| backend | shape | median ms | min ms | p90 ms | p99 ms | CV | floor ms | bound | x floor | GFLOP/s | GB/s | tokens/s |",
+                "|---|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|"]  # fmt: skip
+        for r in rows:
+            out.append(
+                f"| {r['backend']} | {_shape(r)} | {_fmt(r['median_ms'])} | {_fmt(r.get('min_ms'))} | "
+                f"{_fmt(r.get('p90_ms'))} | {_fmt(r.get('p99_ms'))} | {_fmt(r.get('cv'), 2)} | {_fmt(r.get('floor_ms'))} | "
+                f"{r.get('bound') or '-'} | {_fmt(r.get('x_floor'))} | {_fmt(r.get('gflops'))} | {_fmt(r.get('gbps'))} | "
+                f"{_fmt(r.get('tokens_per_s'))} |"
+            )
+        out.append("")
+    pe = doc.get("peers") or peers(doc)
+    if pe["ratios"] or pe["skipped"]:
+        out += [f"## Peers: time / ours (`{pe['ours']}`), paired by round; > 1 means ours is faster", ""]
+        if pe["ratios"]:
+            out += ["| scenario | shape | peer | peer ms | ours ms | peer / ours |", "|---|---|---|---:|---:|---:|"]
+            for q in pe["ratios"]:
+                out.append(f"| {q['scenario']} | {_shape(q)} | {q['peer']} | {_fmt(q['peer_ms'])} | "
+                           f"{_fmt(q['ours_ms'])} | {_fmt(q['time_ratio'])} |")  # fmt: skip
+            out.append("")
+        for s in pe["skipped"]:
+            out.append(f"- `{s['peer']}` not run ({s['scenario']}): {s['reason']}")
+        out.append("")
+    if doc.get("ratios"):
+        out += ["## Speedups (per-iteration median of t_baseline / t_backend; > 1 means faster)", "",
+                "| scenario | shape | backend | vs | speedup |", "|---|---|---|---|---:|"]  # fmt: skip
+        for q in doc["ratios"]:
+            out.append(f"| {q['scenario']} | {_shape(q)} | {q['backend']} | {q['baseline']} | {_fmt(q['speedup'])} |")
+        out.append("")
+    if doc.get("goals"):
+        out += ["## Goals", "", "| goal | target | value | met | detail |", "|---|---|---:|---|---|"]
+        for g in doc["goals"]:
+            met = {True: "yes", False: "NO", None: "not measured"}[g.get("met")]
+            out.append(f"| {g['name']} | {g['target']} | {_fmt(g.get('value'))} | {met} | {g.get('detail', '')} |")
+        out.append("")
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- plots
+
+
+def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
+    """PNG plots: prefill latency vs sequence length (one panel per batch, floor dashed) and tokens/s vs
+    batch (decode steps per past length; generation). Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    name = doc["config"].get("name", "model")
+    threads = doc["settings"].get("threads")
+
+    pre = [r for r in doc["rows"] if r["scenario"] == "prefill"]
+    if pre:
+        batches = sorted({r["batch"] for r in pre})
+        fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+        for ax, b in zip(axes[0], batches):
+            rows = [r for r in pre if r["batch"] == b]
+            for backend in dict.fromkeys(r["backend"] for r in rows):
+                pts = sorted((r["seq"], r["median_ms"], r["p90_ms"]) for r in rows if r["backend"] == backend)
+                xs = [p[0] for p in pts]
+                ax.plot(xs, [p[1] for p in pts], marker="o", label=f"{backend} (median)")
+                ax.fill_between(xs, [p[1] for p in pts], [p[2] for p in pts], alpha=0.15)
+            floor = sorted({(r["seq"], r["floor_ms"]) for r in rows if r.get("floor_ms")})
+            if floor:
+                ax.plot([f[0] for f in floor], [f[1] for f in floor], "k--", label="floor (measured limits)")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("sequence length (tokens)")
+            ax.set_ylabel("latency (ms)")
+            ax.set_title(f"prefill, batch {b}")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        fig.suptitle(f"{name}: prefill latency ({threads} threads)")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "prefill_latency.png", plt))
+
+    dec = [r for r in doc["rows"] if r["scenario"] == "decode" and r.get("tokens_per_s")]
+    gen = [r for r in doc["rows"] if r["scenario"] == "generate" and r.get("tokens_per_s")]
+    pasts = [p for p in sorted({r["past"] for r in dec}) if len({r["batch"] for r in dec if r["past"] == p}) > 1]
+    panels = [("decode", p) for p in pasts] + ([("generate", None)] if gen else [])
+    if panels:
+        backends = list(dict.fromkeys(r["backend"] for r in dec + gen if r["backend"] != "mem-read"))
+        color = {b: f"C{i}" for i, b in enumerate(backends)}
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False, sharey=True)
+        for ax, (scen, past) in zip(axes[0], panels):
+            rows = [r for r in (dec if scen == "decode" else gen) if past is None or r["past"] == past]
+            for backend in dict.fromkeys(r["backend"] for r in rows):
+                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["backend"] == backend)
+                style = dict(color="0.5", linestyle=":", marker=".", label="reading the bytes once (same rounds)") \
+                    if backend == "mem-read" else dict(color=color[backend], marker="o", label=backend)
+                ax.plot([q[0] for q in pts], [q[1] for q in pts], **style)
+            ceil = sorted({(r["batch"], 1000.0 * r["batch"] / r["floor_ms"]) for r in rows if r.get("floor_ms")})
+            if scen == "decode" and ceil:
+                ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", linewidth=1, label="ceiling: batch / floor")
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_xlabel("batch")
+            ax.set_title(f"one decode step, past {past}" if scen == "decode" else "greedy generation")
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[0][0].set_ylabel("tokens/s")
+        fig.suptitle(f"{name}: decode throughput ({threads} threads)")
+        fig.tight_layout()
+        written.append(_save(fig, out_dir / "tokens_per_s.png", plt))
+    pr = (doc.get("peers") or peers(doc))["ratios"]
+    if pr:
+        written.append(_peer_plot(pr, name, threads, out_dir / "peers.png", plt))
+    return written
+
+
+def _peer_plot(ratios: list[dict], name: str, threads, path: Path, plt) -> Path:
+    """Bars: each peer's time / ours per case, one panel per scenario; the line at 1 is parity."""
+    scens = list(dict.fromkeys(q["scenario"] for q in ratios))
+    names = list(dict.fromkeys(q["peer"] for q in ratios))
+    fig, axes = plt.subplots(1, len(scens), figsize=(4.5 * len(scens), 4), squeeze=False, sharey=True)
+    for ax, scen in zip(axes[0], scens):
+        rows = [q for q in ratios if q["scenario"] == scen]
+        shapes = list(dict.fromkeys(_shape(q) for q in rows))
+        width = 0.8 / len(names)
+        for j, peer in enumerate(names):
+            vals = {_shape(q): q["time_ratio"] for q in rows if q["peer"] == peer}
+            xs = [i + j * width for i, s in enumerate(shapes) if s in vals]
+            if not xs:  # this peer has no call for this scenario (listed as skipped in the report)
+                continue
+            ax.bar(xs, [vals[s] for s in shapes if s in vals], width, label=peer, color=f"C{j + 2}")
+        ax.axhline(1.0, color="k", linewidth=1, linestyle="--")
+        ax.set_xticks([i + width * (len(names) - 1) / 2 for i in range(len(shapes))], shapes, rotation=30, fontsize=7)
+        ax.set_title(scen)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("peer time / ours (> 1: ours is faster)")
+    fig.suptitle(f"{name}: the peers on the same weights, same rounds ({threads} threads)")
+    fig.tight_layout()
+    return _save(fig, path, plt)
+
+
+def _save(fig, path: Path, plt) -> Path:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    from ..artifacts import write_bytes_atomic
+
+    return write_bytes_atomic(path, buf.getvalue())
+
+
+# ---------------------------------------------------------------- all outputs
+
+
+def write_outputs(doc: dict, out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
+    """bench.json, bench.csv, bench.md and the PNG plots into `out_dir`."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    files = {
+        "json": write_json(doc, out_dir / "bench.json"),
+        "csv": write_text_atomic(out_dir / "bench.csv", to_csv(doc)),
+        "markdown": write_text_atomic(out_dir / "bench.md", to_markdown(doc)),
+    }
+    if plots:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            from ..progress import warn
+
+            warn("matplotlib is not installed: no PNG plots (pip install matplotlib); JSON, CSV and Markdown written")
+            return files
+        for p in write_plots(doc, out_dir):
+            files[p.stem] = p
+    return files
+
+
+# ---------------------------------------------------------------- compare
+
+
+def compare(a: str | Path | dict, b: str | Path | dict) -> list[dict]:
+    """Rows present in both runs, matched by ROW_KEY: {key..., "a_ms", "b_ms", "ratio"} with
+    ratio = b_median / a_median (< 1: b is faster). Rows in only one run are left out."""
+    da = a if isinstance(a, dict) else load_json(a)
+    db = b if isinstance(b, dict) else load_json(b)
+    validate(da, "first result")
+    validate(db, "second result")
+    index = {tuple(r[k] for k in ROW_KEY): r for r in db["rows"]}
+    out = []
+    for ra in da["rows"]:
+        key = tuple(ra[k] for k in ROW_KEY)
+        rb = index.get(key)
+        if rb is None:
+            continue
+        row = dict(zip(ROW_KEY, key))
+        row.update(a_ms=ra["median_ms"], b_ms=rb["median_ms"],
+                   ratio=rb["median_ms"] / ra["median_ms"] if ra["median_ms"] else None)  # fmt: skip
+        row.update(a_x_floor=ra.get("x_floor"), b_x_floor=rb.get("x_floor"))
+        out.append(row)
+    return out
+
+
+def compare_markdown(rows: list[dict], a_name: str = "A", b_name: str = "B") -> str:
+    lines = [f"| scenario | backend | shape | {a_name} ms | {b_name} ms | {b_name}/{a_name} |",
+             "|---|---|---|---:|---:|---:|"]  # fmt: skip
+    for r in rows:
+        lines.append(f"| {r['scenario']} | {r['backend']} | {_shape(r)} | {_fmt(r['a_ms'])} | {_fmt(r['b_ms'])} | "
+                     f"{_fmt(r['ratio'])} |")  # fmt: skip
+    if not rows:
+        lines.append("| (no matching rows) | | | | | |")
+    return "\n".join(lines) + "\n"
