@@ -88,6 +88,7 @@ def main():
       andrea-export inspect out/fp16                        # what is in it, does it still match its sha256
       andrea-export verify out/fp16                         # again, here (on a GPU host: the engines too)
       andrea-export generate out/fp16 --prompt-ids 1,2,3    # KV-cache decoding (repeat for a batch)
+      andrea-export train-demo --out demo                   # a small ANDREA trained on real text
       andrea-export package out/fp16 --triton models/       # a Triton model repository
       andrea-export bench --quick                           # latency vs PyTorch and the machine's limits
     \b
@@ -205,11 +206,17 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
 @click.option("--strip-weights/--no-strip-weights", default=None,
               help="Weight-stripped engines for shipping beside the ONNX weights, refitted from them at load "
                    "(full TensorRT on a GPU host only; TensorRT-RTX's CPU builder rejects it). [default: no]")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A tokenizer.json (the 'text' extra) to carry into the folder: `generate --prompt` then uses it.")
+@click.option("--eval-text", type=click.Path(exists=True, dir_okay=False), default=None,
+              help="A UTF-8 text (needs --tokenizer): verify.json then holds every artifact's perplexity on it "
+                   "beside PyTorch's. Without it no perplexity is computed (random weights make it meaningless).")
 @click.option("--out", default=None, help="Build folder. [default: out/<model>-<precision>]")
 @click.option("--force", is_flag=True, help="Replace a folder that holds another build.")
 @_user_errors
 def build(build_config, checkpoint, config, seed, precision, builder, profiles, opt_level, workspace_mb,
-          compute_capabilities, timing_cache, fuse_bias, decoder, strip_weights, out, force):
+          compute_capabilities, timing_cache, fuse_bias, decoder, strip_weights, tokenizer, eval_text, out,
+          force):
     """Checkpoint -> ONNX -> plugin graph -> TensorRT engine -> Polygraphy verification -> build folder.
 
     \b
@@ -220,6 +227,7 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
       model.plan            the engine; model.plan.json says what built it, for which GPUs
       model.layers.json     the engine's layer report, where the builder can produce one
       decoder.onnx          the KV-cache decoder graph; decoder.plan its engine (profiles: prefill, decode)
+      tokenizer.json        with --tokenizer; eval.txt with --eval-text (perplexity in verify.json)
       verify.json           Polygraphy's verdict per artifact and input shape, LM figures
       build-config.toml     the effective options: --build-config repeats the build
       manifest.json         everything above with sha256, versions, profiles, plugin kernel, status
@@ -232,7 +240,7 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
                      precision=precision, builder=builder, profiles=profiles, opt_level=opt_level,
                      workspace_mb=workspace_mb, compute_capabilities=list(compute_capabilities) or None,
                      timing_cache=timing_cache, fuse_bias=fuse_bias, decoder=decoder, strip_weights=strip_weights,
-                     out=out)
+                     tokenizer=tokenizer, eval_text=eval_text, out=out)
     if build_config:
         opts = BuildOptions.from_toml(build_config, **overrides)
     else:
@@ -315,7 +323,8 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
               help="Prompt token ids, comma- or space-separated, e.g. '464,3290,318'. Repeat for several prompts.")
 @click.option("--prompt", "prompt_text", multiple=True, help="Text prompt (needs --tokenizer). Repeatable.")
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="A tokenizer.json (Hugging Face `tokenizers`; the 'text' extra): encodes --prompt, decodes the output.")
+              help="A tokenizer.json (Hugging Face `tokenizers`; the 'text' extra): encodes --prompt, decodes the "
+                   "output. Default: the build folder's, if it was built with one.")
 @click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--strategy", type=click.Choice(["greedy", "top-k", "top-p"]), default="greedy", show_default=True)
 @click.option("--temperature", type=float, default=1.0, show_default=True)
@@ -332,15 +341,16 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
              stop_ids, backend):
     """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
 
-    Prints the new token ids of each prompt on a line of its own, in order (and the text, with
-    --tokenizer). Several prompts run as one batch. The cache stays on the device between steps; prompts
-    that do not fit the context, empty prompts and ids outside the vocabulary are refused before anything
-    runs.
+    Prints the new token ids of each prompt on a line of its own, in order, each followed by the prompt
+    and its continuation as text when there is a tokenizer (--tokenizer, or the build folder's). Several
+    prompts run as one batch. The cache stays on the device between steps; prompts that do not fit the
+    context, empty prompts and ids outside the vocabulary are refused before anything runs.
     """
     from . import runtime
-    from .errors import require
+    from .text import load_tokenizer
 
-    tok = require("tokenizers", "text", "--tokenizer").Tokenizer.from_file(str(tokenizer)) if tokenizer else None
+    tokenizer = tokenizer or runtime.tokenizer_path(build)
+    tok = load_tokenizer(tokenizer) if tokenizer else None
     if bool(prompt_ids) == bool(prompt_text):
         raise click.UsageError("give --prompt-ids or --prompt (either one, repeatable), not both")
     if prompt_text:
@@ -370,10 +380,40 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
                  "the tokens it generates are meaningless")
         news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)
                                     for p in prompts])
-    for new in news:
+    for prompt, new in zip(prompts, news):
         click.echo(" ".join(map(str, new)))
         if tok is not None:
-            click.echo(tok.decode(new))
+            click.echo(tok.decode(prompt + new))
+
+
+@main.command("train-demo")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo"), show_default=True,
+              help="Folder for tokenizer.json, model.safetensors, heldout.txt, train.json and loss.png.")
+@click.option("--seed", default=0, show_default=True, help="Seed of the initial weights and the batches.")
+@click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps. [default: the recipe's]")
+@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
+              help="torch threads (fixed, so the result is bit-identical from run to run).")
+@_user_errors
+def train_demo(out, seed, steps, threads):
+    """Train a small ANDREA on real text, on the CPU in about two minutes: a byte-level BPE tokenizer with
+    ANDREA's 8449 tokens and the andrea-tiny model, both from the Python documentation this interpreter
+    ships (pydoc_data.topics and the standard library's docstrings; every tenth block of the topics held
+    out). Then, e.g.:
+
+    \b
+      andrea-export build --checkpoint demo/model.safetensors --tokenizer demo/tokenizer.json \\
+          --eval-text demo/heldout.txt --precision fp16 --out out/demo-fp16
+      andrea-export generate out/demo-fp16 --prompt "The for statement"
+    """
+    import dataclasses
+
+    from .demo import Recipe, train_demo as run
+
+    recipe = dataclasses.replace(Recipe(), seed=seed, threads=threads, **({"steps": steps} if steps else {}))
+    log = run(out, recipe)
+    click.echo(f"{out}: held-out perplexity {log['heldout_perplexity']:.2f} (unigram {log['unigram_perplexity']:.1f}, "
+               f"untrained {log['initial_heldout_perplexity']:.0f}) on {log['heldout_tokens']:,} tokens; "
+               f"{log['cpu_seconds']:.0f} s CPU, {log['wall_seconds']:.0f} s wall")
 
 
 @main.command()

@@ -15,3 +15,5 @@ PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (passes/gelu_plug
 
 DECODER_FILE = "decoder.onnx"  # the KV-cache decoder graph's name inside a build folder
 PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (kvcache.optimization_profiles)
+TOKENIZER_FILE = "tokenizer.json"  # a build folder's tokenizer (build --tokenizer), Hugging Face format
+EVAL_TEXT_FILE = "eval.txt"  # a build folder's evaluation text (build --eval-text)

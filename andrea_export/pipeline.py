@@ -14,6 +14,7 @@ import datetime
 import errno
 import json
 import platform
+import shutil
 import time
 import tomllib
 from pathlib import Path
@@ -24,9 +25,10 @@ from .buildfolder import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manife
 from .buildfolder import changed_artifacts as verify_artifact_hashes
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
-from .names import INPUT_IDS, WEIGHTS_FILE
+from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
 from .progress import console, step, styled, warn
 
+FILE_OF = {"tokenizer": TOKENIZER_FILE, "eval_text": EVAL_TEXT_FILE}  # fixed names: a manifest never picks a path
 
 
 @dataclasses.dataclass
@@ -48,6 +50,8 @@ class BuildOptions:
     strip_weights: bool = False  # TensorRT (GPU host) only: weight-stripped engines, refitted from the ONNX at load
     verify_shapes: list[list[int]] | None = None  # [[batch, seq], ...]; default: verify.default_shapes
     greedy_steps: int = 32
+    tokenizer: str | None = None  # a tokenizer.json: copied into the folder (generate --prompt uses it)
+    eval_text: str | None = None  # a UTF-8 text file (needs tokenizer): perplexity of every artifact in verify.json
     out: str | None = None  # default: out/<model>-<precision>
 
     @classmethod
@@ -85,7 +89,7 @@ class BuildOptions:
         def is_int(v) -> bool:
             return isinstance(v, int) and not isinstance(v, bool)
 
-        for f in ("config", "checkpoint", "profiles", "timing_cache", "out"):
+        for f in ("config", "checkpoint", "profiles", "timing_cache", "tokenizer", "eval_text", "out"):
             if getattr(self, f) is not None and not isinstance(getattr(self, f), str):
                 bad(f, "a string")
         for f in ("fuse_bias", "decoder", "strip_weights"):
@@ -117,6 +121,8 @@ class BuildOptions:
             normalize_compute_capabilities(self.compute_capabilities)
         if self.profiles is not None:
             parse_profiles(self.profiles)  # the syntax; the bounds need the model
+        if self.eval_text and not self.tokenizer:
+            raise ConfigError("--eval-text needs --tokenizer (the text is scored as that tokenizer's tokens)")
         return self
 
     def to_toml(self) -> str:
@@ -197,7 +203,32 @@ def _check_for_model(opts: BuildOptions, cfg) -> list:
     for p in profiles:
         p.check(cfg.n_positions).check_tensor_sizes(cfg)
     check_inputs(cfg, opts.verify_shapes, opts.greedy_steps)
+    _check_text_options(opts, cfg)
     return profiles
+
+
+def _check_text_options(opts: BuildOptions, cfg) -> None:
+    """Refuse a bad tokenizer or evaluation text before anything heavy runs."""
+    from .text import encode, load_tokenizer, read_text, windows
+
+    if opts.tokenizer:
+        tok = load_tokenizer(opts.tokenizer)
+        if tok.get_vocab_size() > cfg.vocab_size:
+            raise ConfigError(f"{opts.tokenizer}: {tok.get_vocab_size()} tokens, more than the model's vocabulary "
+                              f"({cfg.vocab_size}); it is not this model's tokenizer")
+        if opts.eval_text:
+            windows(encode(tok, read_text(opts.eval_text)), cfg.n_positions)  # at least one window
+
+
+def _eval_windows(folder: Path, artifacts: dict, cfg):
+    """(token windows, description) of the build's evaluation text, or (None, None) without one."""
+    from .text import describe_text, encode, load_tokenizer, read_text, windows
+
+    if "eval_text" not in artifacts:
+        return None, None
+    tok = load_tokenizer(folder / FILE_OF["tokenizer"])  # fixed names: a manifest's path is never followed
+    body = read_text(folder / FILE_OF["eval_text"])
+    return windows(encode(tok, body), cfg.n_positions), describe_text(body, tok)
 
 
 def _load_model(opts: BuildOptions, cfg):
@@ -233,6 +264,10 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     artifacts: dict[str, str] = {}
     plugin_report = _export_graphs(tmp, model, opts, builder, artifacts)
     _share_weights(tmp, opts.precision, artifacts)
+    for role, src in (("tokenizer", opts.tokenizer), ("eval_text", opts.eval_text)):
+        if src:  # the folder carries them: `verify BUILD` re-measures, `generate --prompt` encodes
+            shutil.copyfile(src, tmp / FILE_OF[role])
+            artifacts[role] = FILE_OF[role]
 
     # TensorRT builds the plugin graph (our kernel in the engine); TensorRT-RTX, which has no plugin
     # layers, the standard graph (native GELU).
@@ -383,7 +418,9 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
     else:
         skipped.append({"artifact": "engine", "reason": reason})
     shapes = [tuple(s) for s in shapes] if shapes else None
-    report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped)
+    wins, described = _eval_windows(folder, artifacts, model.cfg)
+    report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped,
+                    eval_windows=wins, eval_text=described)
     if "decoder_onnx" in artifacts:
         with step("Verifying the KV-cache decoder step by step"):
             report.decoder = _verify_decoder(folder, model, precision, artifacts, greedy_steps)
@@ -467,7 +504,9 @@ def _status(report) -> str:
 def _verification(report) -> dict:
     return {"passed": report.passed, "report": "verify.json",
             "engine_verified": not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped),
-            "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons}}
+            "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons},
+            "perplexity": ({**p["reference"], **p["artifacts"]} if (p := report.perplexity) and p.get("computed")
+                           else None)}
 
 
 def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shapes=None, greedy_steps: int = 32) -> dict:

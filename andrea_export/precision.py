@@ -77,6 +77,9 @@ MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95}
 # bf16 7e-7 (tiny, emulated). Random-init logits are small (std 0.55), so trained weights will sit
 # higher: the bounds leave >= 1000x room and still catch a wrong kernel (KL of order 1e-1 and up).
 MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-3}
+# Largest relative difference of an artifact's perplexity on real text from PyTorch fp32's (verify with
+# an evaluation text: build --tokenizer --eval-text).
+MAX_PPL_REL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 1e-2}
 
 
 def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str) -> Path:

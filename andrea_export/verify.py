@@ -108,6 +108,7 @@ class VerifyReport:
     comparisons: list  # one dict per (reference, artifact) pair
     skipped: list  # artifacts that could not run here, with the reason
     decoder: dict | None = None  # the KV-cache decoder: step-by-step comparison and greedy agreement
+    perplexity: dict | None = None  # on real text (eval_text), per artifact beside PyTorch's; or why not computed
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -160,6 +161,8 @@ def verify(
     greedy_steps: int = 32,
     seed: int = 0,
     skipped: list | None = None,
+    eval_windows: np.ndarray | None = None,
+    eval_text: dict | None = None,
     quiet: bool = False,
 ) -> VerifyReport:
     """Compare each artifact runner with the PyTorch reference.
@@ -171,11 +174,15 @@ def verify(
         shapes: (batch, seq) pairs; default `default_shapes(context)`.
         greedy_steps: greedy tokens decoded per artifact (0 to skip).
         skipped: artifacts that cannot run here, as {"artifact", "reason"} dicts, carried into the report.
+        eval_windows: token windows of a real text ([n, T] int64, text.windows): the perplexity of every
+            artifact is then measured beside PyTorch's and must be within precision.MAX_PPL_REL of it.
+            Without them the report says why none was computed.
+        eval_text: what the windows are (sha256, tokens, ...), carried into the report.
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
-    from .precision import MAX_KL, MIN_TOP1, TOLERANCES
+    from .precision import MAX_KL, MAX_PPL_REL, MIN_TOP1, TOLERANCES
 
     cfg = model.cfg
     check_inputs(cfg, shapes, greedy_steps)
@@ -206,6 +213,10 @@ def verify(
                 finally:
                     for r in runners:
                         r.deactivate()
+        ppl = None
+        if eval_windows is not None:
+            with step(f"Perplexity on {eval_windows.size:,} tokens of text with each runner", quiet):
+                ppl = {r.name: perplexity_of_runner(r, eval_windows) for r in runners}
     finally:
         G_LOGGER.module_severity = severity
 
@@ -226,13 +237,37 @@ def verify(
             })
         g = greedy.get(name)
         passed = all(s["passed"] for s in per_shape) and (g is None or g["agree"] or precision != "fp32")
+        p = None
+        if ppl is not None:
+            rel = ppl[name] / ppl[ref_name] - 1.0
+            p = {"perplexity": ppl[name], "reference": ppl[ref_name], "rel_diff": rel,
+                 "passed": abs(rel) <= MAX_PPL_REL[precision]}
+            passed = passed and p["passed"]
         comparisons.append({"reference": ref_name, "artifact": name, "passed": passed, "shapes": per_shape,
-                            "greedy": g})
+                            "greedy": g, "perplexity": p})
+    if ppl is None:
+        summary = {"computed": False, "reason": "no evaluation text and tokenizer were given (build --tokenizer "
+                   "--eval-text): perplexity is not computed; on random weights it would not mean anything"}
+    else:
+        summary = {"computed": True, "text": eval_text or {}, "windows": int(eval_windows.shape[0]),
+                   "window": int(eval_windows.shape[1]), "predicted_tokens": int(eval_windows[:, 1:].size),
+                   "max_rel_diff": MAX_PPL_REL[precision], "reference": {ref_name: ppl[ref_name]},
+                   "artifacts": {name: ppl[name] for name in ppl if name != ref_name}}
     report = VerifyReport(
         passed=all(c["passed"] for c in comparisons), precision=precision, tolerances=tol, lm_thresholds=lm_tol,
-        shapes=[list(s) for s in shapes], comparisons=comparisons, skipped=list(skipped or []),
+        shapes=[list(s) for s in shapes], comparisons=comparisons, skipped=list(skipped or []), perplexity=summary,
     )
     return report
+
+
+def perplexity_of_runner(runner, windows: np.ndarray) -> float:
+    """Perplexity of a Polygraphy runner (PyTorch, an ONNX graph on ONNX Runtime, an engine) on token
+    windows, a few thousand tokens per call."""
+    from .text import perplexity
+
+    with runner:
+        return perplexity(lambda ids: runner.infer({INPUT_NAME: ids})[OUTPUT_NAME], windows,
+                          batch=max(1, 4096 // windows.shape[1]))
 
 
 def print_summary(report: VerifyReport) -> None:
@@ -269,6 +304,14 @@ def print_summary(report: VerifyReport) -> None:
                 console.print(f"greedy {g['steps']} tokens with the KV cache, {label}: {where}")
             elif g:
                 console.print(f"greedy with the KV cache, {label}: {g['skipped']}")
+    p = report.perplexity
+    if p and p.get("computed"):
+        (ref_name, ref), = p["reference"].items()
+        console.print(f"perplexity on {p['predicted_tokens']:,} tokens of text: {ref_name} {ref:.4f}; " + ", ".join(
+            f"{c['artifact']} {c['perplexity']['perplexity']:.4f} ({c['perplexity']['rel_diff']:+.2e})"
+            for c in report.comparisons if c.get("perplexity")) + f" (bound {p['max_rel_diff']:.0e} relative)")
+    elif p:
+        console.print(f"perplexity: {p['reason']}")
     for s in report.skipped:
         console.print(styled("not run here", "yellow"), f"{s['artifact']}: {s['reason']}")
     verdict = styled("PASSED", "bold green") if report.passed else styled("FAILED", "bold red")

@@ -207,3 +207,76 @@ def test_ctrl_c_mid_build_leaves_nothing(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=0))
     assert list(tmp_path.iterdir()) == []  # not even an empty folder
+
+
+@pytest.fixture(scope="module")
+def demo_fp16_build(demo_dir, tmp_path_factory):
+    """The trained demo model built in fp16, with its tokenizer and held-out text."""
+    out = tmp_path_factory.mktemp("build") / "demo-fp16"
+    opts = BuildOptions(checkpoint=str(demo_dir / "model.safetensors"), builder="tensorrt-rtx", precision="fp16",
+                        tokenizer=str(demo_dir / "tokenizer.json"), eval_text=str(demo_dir / "heldout.txt"),
+                        out=str(out), greedy_steps=4, verify_shapes=[[2, 16]])
+    return out, run_build(opts)
+
+
+def test_random_weights_build_says_perplexity_is_not_computed(tiny_build):
+    out, manifest = tiny_build
+    report = json.loads((out / "verify.json").read_text())
+    assert report["perplexity"]["computed"] is False
+    assert "not computed; on random weights it would not mean anything" in report["perplexity"]["reason"]
+    assert manifest["verification"]["perplexity"] is None and "tokenizer" not in manifest["artifacts"]
+
+
+def test_trained_fp16_build_perplexity_within_one_percent(demo_fp16_build, demo_dir, demo_log):
+    out, manifest = demo_fp16_build
+    assert manifest["status"] == "engine-unverified"
+    assert manifest["artifacts"]["tokenizer"]["path"] == "tokenizer.json"
+    assert manifest["artifacts"]["eval_text"]["path"] == "eval.txt"
+    assert (out / "tokenizer.json").read_bytes() == (demo_dir / "tokenizer.json").read_bytes()
+    report = json.loads((out / "verify.json").read_text())
+    p = report["perplexity"]
+    assert p["computed"] and p["window"] == 128 and p["predicted_tokens"] == 127 * p["windows"]
+    assert p["windows"] == demo_log["heldout_windows"] and p["max_rel_diff"] == 0.01
+    # PyTorch fp32 on the exported folder's text is the training script's own figure, to the digit
+    assert p["reference"]["pytorch"] == pytest.approx(demo_log["heldout_perplexity"], rel=1e-6)
+    for c in report["comparisons"]:
+        assert c["perplexity"]["passed"] and abs(c["perplexity"]["rel_diff"]) < 0.01, c["perplexity"]
+        assert c["perplexity"]["perplexity"] == p["artifacts"][c["artifact"]]
+    assert manifest["verification"]["perplexity"] == {**p["reference"], **p["artifacts"]}
+
+
+def test_generate_prints_text_with_the_folder_tokenizer(demo_fp16_build):
+    out, _ = demo_fp16_build
+    result = CliRunner().invoke(main, ["generate", str(out), "--prompt", "The for statement", "-n", "12"])
+    assert result.exit_code == 0, result.output
+    ids_line, text_line = result.output.split("\n", 1)
+    assert len(ids_line.split()) == 12
+    assert text_line.startswith("The for statement") and len(text_line.strip()) > len("The for statement") + 10
+
+
+def test_bf16_build_perplexity_within_one_percent(demo_dir, tmp_path):
+    out = tmp_path / "bf16"
+    manifest = run_build(BuildOptions(checkpoint=str(demo_dir / "model.safetensors"), builder="tensorrt-rtx",
+                                      precision="bf16", tokenizer=str(demo_dir / "tokenizer.json"),
+                                      eval_text=str(demo_dir / "heldout.txt"), decoder=False, out=str(out),
+                                      greedy_steps=0, verify_shapes=[[1, 8]]))
+    assert manifest["status"] == "engine-unverified"
+    report = json.loads((out / "verify.json").read_text())
+    rel = {c["artifact"]: c["perplexity"]["rel_diff"] for c in report["comparisons"]}
+    assert set(rel) == {"onnxrt (bf16 emulated)", "onnxrt-plugin (bf16 emulated)"}
+    assert all(abs(r) < 0.01 for r in rel.values()), rel
+
+
+def test_text_options_are_checked_before_work(demo_dir, tmp_path):
+    base = dict(checkpoint=str(demo_dir / "model.safetensors"), builder="tensorrt-rtx", out=str(tmp_path / "b"))
+    with pytest.raises(ConfigError, match="--eval-text needs --tokenizer"):
+        run_build(BuildOptions(**base, eval_text=str(demo_dir / "heldout.txt")))
+    short = tmp_path / "short.txt"
+    short.write_text("too short")
+    with pytest.raises(ConfigError, match="fewer than one window of 128"):
+        run_build(BuildOptions(**base, tokenizer=str(demo_dir / "tokenizer.json"), eval_text=str(short)))
+    bad = tmp_path / "tok.json"
+    bad.write_text("[]")
+    with pytest.raises(ConfigError, match="not a readable tokenizer.json"):
+        run_build(BuildOptions(**base, tokenizer=str(bad)))
+    assert not (tmp_path / "b").exists()

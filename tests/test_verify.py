@@ -86,3 +86,34 @@ def test_a_checkpoint_for_a_random_init_export_is_refused(tiny_onnx, tmp_path):
     with pytest.raises(CheckpointError, match=r"was made from random weights \(seed 0\), not from a checkpoint; "
                                               r"leave out --checkpoint"):
         reference_model_for(tiny_onnx, ckpt)
+
+
+def test_perplexity_on_text_beside_pytorch_and_its_bound(lively_model, demo_dir):
+    """An artifact whose perplexity on real text moves by more than the precision's bound fails, even when
+    its logits pass the (loose) bf16 tolerances; the same model passes with a relative difference of 0."""
+    import copy
+
+    from andrea_export import text
+    from andrea_export.verify import TorchRunner
+
+    tok = text.load_tokenizer(demo_dir / "tokenizer.json")
+    wins = text.windows(text.encode(tok, (demo_dir / "heldout.txt").read_text()), 128)[:8]
+    hotter = copy.deepcopy(lively_model)
+    with torch.no_grad():
+        hotter.ln_f.weight.mul_(1.03)  # every logit 3 % larger: a sharper distribution, another perplexity
+    report = verify(lively_model, {"same": TorchRunner(lively_model, "same"), "hotter": TorchRunner(hotter, "hotter")},
+                    precision="bf16", shapes=[(1, 4)], greedy_steps=0, eval_windows=wins, eval_text={"n": 8},
+                    quiet=True)
+    same, hot = report.comparisons
+    assert same["perplexity"] == {"perplexity": same["perplexity"]["reference"], "reference": same["perplexity"]["reference"],
+                                  "rel_diff": 0.0, "passed": True}
+    assert hot["shapes"][0]["logits_within_tolerance"] and not hot["perplexity"]["passed"]
+    assert abs(hot["perplexity"]["rel_diff"]) > 0.01 and not hot["passed"] and not report.passed
+    assert report.perplexity["computed"] and report.perplexity["predicted_tokens"] == 8 * 127
+    assert report.perplexity["text"] == {"n": 8}
+
+
+def test_without_text_the_report_says_perplexity_is_not_computed(tiny_model, tiny_onnx):
+    report = verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 2)], greedy_steps=0, quiet=True)
+    assert report.perplexity["computed"] is False and "random weights" in report.perplexity["reason"]
+    assert report.comparisons[0]["perplexity"] is None and report.passed

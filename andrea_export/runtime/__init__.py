@@ -23,7 +23,7 @@ from pathlib import Path
 from ..buildfolder import MANIFEST
 from ..errors import AndreaExportError, installed
 from ..graphs import read_decoder
-from ..names import DECODER_FILE
+from ..names import DECODER_FILE, TOKENIZER_FILE
 from .base import InputError, Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
@@ -31,7 +31,15 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt")
 ENGINE_FILE = "decoder.plan"  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
-           "load", "next_token"]
+           "load", "next_token", "tokenizer_path"]
+
+
+def tokenizer_path(path: str | Path) -> Path | None:
+    """The tokenizer a build folder carries (`build --tokenizer`), or None. Always the fixed name inside
+    the folder: no path is taken from the manifest."""
+    path = Path(path)
+    candidate = path / TOKENIZER_FILE
+    return candidate if path.is_dir() and candidate.is_file() else None
 
 
 def _resolve(path: Path) -> tuple[Path, Path | None]:
