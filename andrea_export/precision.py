@@ -49,37 +49,46 @@ FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/
 
 # Verification tolerances per precision: the ONE place they live (verification reads them from here).
 # A logit passes when |engine - reference| <= atol + rtol * |reference| (numpy.allclose semantics).
-# Measured against PyTorch float32, random_init(seed=0) weights (logit std 0.16 tiny / 0.55 120M,
-# max |logit| 1.2 / 2.9), random ids, batch 4 x seq 128 (512 tokens):
 #
-#   graph                          tiny max|err|  120M max|err|  120M mean  120M top-1
-#   fp32, ONNX Runtime CPU         4.2e-7         3.0e-6         4.2e-7     100 %
-#   fp16, ONNX Runtime CPU         3.2e-4         2.1e-3         3.0e-4     100 %
-#   fp16, emulate_in_fp32          8.0e-4         4.1e-3         6.2e-4     99.6 %
-#   bf16, emulate_in_fp32          5.6e-3         3.3e-2         5.0e-3     96.3 %
-#   (onnxconverter-common fp16 gave the same numbers as this pass, to 3 digits)
+# Measured against PyTorch float32 on batch 4 x seq 128 (512 tokens). Trained: andrea-tiny trained on
+# the Python docs (demo.py; held-out perplexity 390; logit std 2.3, max |logit| 11.8), on random ids
+# and on held-out text. Random: random_init(seed=0) weights (logit std 0.16 tiny / 0.55 120M, max
+# |logit| 1.2 / 2.9), random ids.
 #
-# ORT's CPU provider has no bf16 kernels, so bf16 is measured with emulate_in_fp32 (every op rounded
-# to bf16: pessimistic next to a GPU's fused kernels; for fp16 it reads ~2x ORT's error). The atol
-# needed by the 120M model at these rtols was 3.6e-3 (fp16, emulated) and 2.9e-2 (bf16): the bounds
-# below leave ~3x margin. fp32's bound is far above the CPU's 3e-6 on purpose: GPU engines reorder
+#   graph                      trained max|err|   top-1    max KL    atol needed   120M random max|err|
+#                              ids / text         (ids)    (ids)     (ids)         (atol needed), top-1
+#   fp32, ONNX Runtime CPU     8.6e-6 / 1.1e-5    100 %    7e-13     2.6e-6        3.0e-6, 100 %
+#   fp16, ONNX Runtime CPU     1.1e-2 / 7.2e-3    100 %    2.1e-6    6.5e-3        2.1e-3, 100 %
+#   fp16, emulate_in_fp32      1.8e-2 / 1.4e-2    100 %    7.9e-6    1.3e-2        4.1e-3 (3.6e-3), 99.6 %
+#   bf16, emulate_in_fp32      1.9e-1 / 1.2e-1    99.2 %   1.3e-3    1.6e-1        3.3e-2 (2.9e-2), 96.3 %
+#   (top-1 on text: fp16 emulated 99.8 %, bf16 98.6 %; "atol needed" at the rtol below.
+#    onnxconverter-common fp16 gave the same numbers as this pass on the random 120M, to 3 digits)
+#
+# Perplexity on the 8,636 held-out tokens, through the exported graphs: fp32 390.0330 (PyTorch 390.0330,
+# +4.4e-9), fp16 ORT +2.6e-5, fp16 emulated +3.7e-5, bf16 emulated +2.3e-4 relative.
+#
+# The trained model's logits are 4x larger than random ones, and so are its errors: the random-weights
+# bounds (fp16 atol 1e-2, bf16 atol 8e-2 and max KL 1e-3) failed it. ORT's CPU provider has no bf16
+# kernels, so bf16 is measured with emulate_in_fp32 (every op rounded to bf16: pessimistic next to a
+# GPU's fused kernels; for fp16 it reads ~2x ORT's error). The bounds below leave >= 2.3x margin over
+# the worst measurement. fp32's bound is far above the CPU's 1e-5 on purpose: GPU engines reorder
 # reductions and may evaluate tanh/exp with approximate instructions; tighten it from GPU runs.
-# fp32 is held to 1e-4 (the foundation issue's bar: about 1e-4 relative on the logits), 30x the CPU error.
+# fp32 is held to 1e-4 (the foundation issue's bar: about 1e-4 relative on the logits).
 TOLERANCES = {
     "fp32": dict(rtol=1e-4, atol=1e-4),
-    "fp16": dict(rtol=1e-2, atol=1e-2),
-    "bf16": dict(rtol=2e-2, atol=8e-2),
+    "fp16": dict(rtol=1e-2, atol=3e-2),
+    "bf16": dict(rtol=2e-2, atol=4e-1),
 }
 # Least share of positions whose top-1 token must agree with the reference (same measurements).
 MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95}
-# Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions. Measured
-# with `andrea-export build` (seed 0, 4 shapes): fp32 3e-13 (120M, 2x1024), fp16 3e-9 (tiny, ORT CPU),
-# bf16 7e-7 (tiny, emulated). Random-init logits are small (std 0.55), so trained weights will sit
-# higher: the bounds leave >= 1000x room and still catch a wrong kernel (KL of order 1e-1 and up).
-MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-3}
+# Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
+# trained model's worst above times >= 7 (random weights: fp32 3e-13, fp16 3e-9, bf16 7e-7). A wrong
+# kernel gives 1e-1 and up.
+MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2}
 # Largest relative difference of an artifact's perplexity on real text from PyTorch fp32's (verify with
-# an evaluation text: build --tokenizer --eval-text).
-MAX_PPL_REL = {"fp32": 1e-4, "fp16": 1e-2, "bf16": 1e-2}
+# an evaluation text: build --tokenizer --eval-text). Measured above: fp16 3.7e-5, bf16 2.3e-4; the
+# bounds leave >= 20x margin (the issue asks for 1 %; a drift of 0.5 % is already a defect).
+MAX_PPL_REL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 5e-3}
 
 
 def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str) -> Path:

@@ -95,7 +95,7 @@ def test_fp16_build_without_decoder(tmp_path):
     assert list(external_data_files(out / "model.onnx")) == ["weights.fp32.data"]
     assert _onnx_part(out) <= 1.1 * ModelConfig.from_dict(manifest["model"]).n_params * (4 + 2)
     report = json.loads((out / "verify.json").read_text())
-    assert report["tolerances"] == {"rtol": 1e-2, "atol": 1e-2}
+    assert report["tolerances"] == {"rtol": 1e-2, "atol": 3e-2}
     result = CliRunner().invoke(main, ["generate", str(out), "--prompt-ids", "1"])
     assert result.exit_code == 1
     assert "this build has no KV-cache decoder graph (it was built with --no-decoder)" in result.output
@@ -236,7 +236,7 @@ def test_trained_fp16_build_perplexity_within_one_percent(demo_fp16_build, demo_
     report = json.loads((out / "verify.json").read_text())
     p = report["perplexity"]
     assert p["computed"] and p["window"] == 128 and p["predicted_tokens"] == 127 * p["windows"]
-    assert p["windows"] == demo_log["heldout_windows"] and p["max_rel_diff"] == 0.01
+    assert p["windows"] == demo_log["heldout_windows"] and p["max_rel_diff"] == 1e-3
     # PyTorch fp32 on the exported folder's text is the training script's own figure, to the digit
     assert p["reference"]["pytorch"] == pytest.approx(demo_log["heldout_perplexity"], rel=1e-6)
     for c in report["comparisons"]:
@@ -255,12 +255,14 @@ def test_generate_prints_text_with_the_folder_tokenizer(demo_fp16_build):
 
 
 def test_bf16_build_perplexity_within_one_percent(demo_dir, tmp_path):
+    """Also: the trained model passes precision.py's bf16 tolerances on 4 x 128 tokens (it failed the
+    bounds measured on random weights)."""
     out = tmp_path / "bf16"
     manifest = run_build(BuildOptions(checkpoint=str(demo_dir / "model.safetensors"), builder="tensorrt-rtx",
                                       precision="bf16", tokenizer=str(demo_dir / "tokenizer.json"),
                                       eval_text=str(demo_dir / "heldout.txt"), decoder=False, out=str(out),
-                                      greedy_steps=0, verify_shapes=[[1, 8]]))
-    assert manifest["status"] == "engine-unverified"
+                                      greedy_steps=0, verify_shapes=[[4, 128]]))
+    assert manifest["status"] == "engine-unverified", json.loads((out / "verify.json").read_text())["comparisons"]
     report = json.loads((out / "verify.json").read_text())
     rel = {c["artifact"]: c["perplexity"]["rel_diff"] for c in report["comparisons"]}
     assert set(rel) == {"onnxrt (bf16 emulated)", "onnxrt-plugin (bf16 emulated)"}

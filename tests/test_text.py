@@ -129,3 +129,11 @@ def test_training_is_bit_identical_from_the_same_seed():
 def test_cache_key_follows_the_recipe():
     assert demo.cache_key() == demo.cache_key(demo.Recipe())
     assert demo.cache_key(dataclasses.replace(demo.Recipe(), seed=1)) != demo.cache_key()
+
+
+def test_reflow_joins_wrapped_prose_and_keeps_code():
+    assert text.reflow("A paragraph\nwrapped at\nseventy columns.") == "A paragraph wrapped at seventy columns."
+    assert text.reflow("   indented\n   prose") == "   indented prose"
+    assert text.reflow("* a list item\n  that hangs") == "* a list item that hangs"
+    for kept in ("def f(x):\n    return x", "Title\n*****", ">>> 1 + 1\n2", "one line"):
+        assert text.reflow(kept) == kept
