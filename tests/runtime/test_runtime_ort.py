@@ -18,7 +18,14 @@ from andrea_export.runtime import InputError
 from andrea_export.runtime.agreement import greedy_agreement
 from andrea_export.runtime.ort import OrtSession
 
-PROMPT = [1, 2, 3, 4, 5]
+
+
+@pytest.fixture(scope="module")
+def prompt(demo_dir):
+    """Words whose greedy continuation varies (the trained model turns many prompts into one repeated token)."""
+    from andrea_export.text import encode, load_tokenizer
+
+    return encode(load_tokenizer(demo_dir / "tokenizer.json"), "Return a new")
 
 
 def test_load_folder_or_file_auto_is_onnxruntime(build_dir):
@@ -37,18 +44,18 @@ def test_forward_matches_pytorch(session, lively_model):
     np.testing.assert_allclose(logits, want, rtol=1e-4, atol=1e-4)
 
 
-def test_greedy_64_tokens_agree_with_full_recompute(session, lively_model):
-    report = greedy_agreement(lively_model, session, PROMPT, n_tokens=64)
+def test_greedy_64_tokens_agree_with_full_recompute(session, lively_model, prompt):
+    report = greedy_agreement(lively_model, session, prompt, n_tokens=64)
     assert report["agree"], {k: v for k, v in report.items() if "tokens" not in k}
     assert report["matched"] == 64 and report["first_divergence"] is None and report["at_divergence"] is None
     assert report["candidate_tokens"] == report["reference_tokens"]
     assert len(set(report["reference_tokens"])) > 10  # the decode really varies
     assert report["max_abs_logit_diff"] < 1e-4
     assert report["min_reference_margin"] > 0
-    assert session.generate(PROMPT, 64) == report["reference_tokens"]
+    assert session.generate(prompt, 64) == report["reference_tokens"]
 
 
-def test_greedy_agreement_reports_the_first_divergence(lively_model, session):
+def test_greedy_agreement_reports_the_first_divergence(lively_model, session, prompt):
     class Nudged(runtime.Session):  # the ORT session, with one token's logit raised at step 3
         backend = "nudged"
 
@@ -74,7 +81,7 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session):
                 logits[:, 42] = logits.max() + 0.5
             return logits
 
-    report = greedy_agreement(lively_model, Nudged(), PROMPT, n_tokens=8)
+    report = greedy_agreement(lively_model, Nudged(), prompt, n_tokens=8)
     assert not report["agree"]
     assert report["first_divergence"] == report["matched"] == 3
     at = report["at_divergence"]
@@ -98,16 +105,16 @@ def test_cache_stays_on_the_device_between_steps(session):
         assert steps.past[0].shape() == [1, 4, 5, 16]
 
 
-def test_sampling_is_seeded_and_stops(session):
-    a = session.generate(PROMPT, 20, strategy="top-p", top_p=0.9, temperature=0.8, seed=3)
-    assert a == session.generate(PROMPT, 20, strategy="top-p", top_p=0.9, temperature=0.8, seed=3)
-    b = session.generate(PROMPT, 20, strategy="top-k", top_k=50, temperature=1.5, seed=3)
+def test_sampling_is_seeded_and_stops(session, prompt):
+    a = session.generate(prompt, 20, strategy="top-p", top_p=0.9, temperature=0.8, seed=3)
+    assert a == session.generate(prompt, 20, strategy="top-p", top_p=0.9, temperature=0.8, seed=3)
+    b = session.generate(prompt, 20, strategy="top-k", top_k=50, temperature=1.5, seed=3)
     assert len(a) == len(b) == 20 and all(0 <= t < 8449 for t in a + b)
-    greedy = session.generate(PROMPT, 20)
-    assert session.generate(PROMPT, 20, strategy="top-k", top_k=1, seed=9) == greedy
+    greedy = session.generate(prompt, 20)
+    assert session.generate(prompt, 20, strategy="top-k", top_k=1, seed=9) == greedy
     stop = greedy[5]
     first = greedy.index(stop)
-    assert session.generate(PROMPT, 20, stop_ids=[stop]) == greedy[: first + 1]
+    assert session.generate(prompt, 20, stop_ids=[stop]) == greedy[: first + 1]
 
 
 
