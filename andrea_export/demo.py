@@ -189,11 +189,17 @@ def _versions() -> dict:
 
 
 def cache_key(recipe: Recipe = Recipe()) -> str:
-    """A hash of what determines the result: this code, the model code, the corpus, versions, recipe."""
+    """A hash of what determines the result: this code, the model code and its initialisation (not the
+    rest of checkpoint.py, which changes for other reasons), the corpus, versions, recipe."""
+    import inspect
+
+    from .checkpoint import random_init
+
     here = Path(__file__).parent
     h = hashlib.sha256()
-    for name in ("demo.py", "text.py", "model.py", "checkpoint.py"):
+    for name in ("demo.py", "text.py", "model.py"):
         h.update((here / name).read_bytes())
+    h.update(inspect.getsource(random_init).encode())
     h.update(json.dumps([text.corpus_info(), _versions(), recipe.to_dict()], sort_keys=True).encode())
     return h.hexdigest()[:16]
 
