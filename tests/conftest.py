@@ -11,6 +11,8 @@ import torch
 from andrea_export.checkpoint import random_init
 from andrea_export.config import ANDREA_TINY
 
+LIVELY_PROMPT = "Create a new"
+
 
 @pytest.fixture(scope="session")
 def tiny_model():
@@ -44,6 +46,15 @@ def lively_model(demo_dir):
     from andrea_export.checkpoint import load_checkpoint
 
     return load_checkpoint(demo_dir / "model.safetensors")
+
+
+@pytest.fixture(scope="session")
+def lively_prompt(demo_dir):
+    """Token ids of words whose greedy continuation by the trained model varies (> 10 distinct ids in 64
+    tokens; many prompts, random ids among them, fall into one repeated token)."""
+    from andrea_export.text import encode, load_tokenizer
+
+    return encode(load_tokenizer(demo_dir / "tokenizer.json"), LIVELY_PROMPT)
 
 
 @pytest.fixture(scope="session")

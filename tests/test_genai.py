@@ -11,7 +11,6 @@ from andrea_export.genai import GENAI_CONFIG, genai_config, write_genai_config
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai (the 'genai' extra)")
 
-PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3]
 N = 64
 
 
@@ -43,23 +42,23 @@ def test_build_writes_genai_config_for_its_decoder(lively_build):
     assert conf["search"]["past_present_share_buffer"] is False
 
 
-def test_genai_greedy_equals_ours_from_the_build_folder(lively_build):
+def test_genai_greedy_equals_ours_from_the_build_folder(lively_build, lively_prompt):
     with runtime.load(lively_build, "onnxruntime") as sess:
-        ours = sess.generate(PROMPT, N)
+        ours = sess.generate(lively_prompt, N)
     assert len(set(ours)) > 10  # the lively model's output varies: agreement is not trivial
     assert 8448 not in ours  # the default end token (last id) is not produced, so genai runs all N steps
-    assert _genai_greedy(lively_build, PROMPT, N) == ours
+    assert _genai_greedy(lively_build, lively_prompt, N) == ours
 
 
-def test_genai_greedy_equals_ours_fp16(lively_decoder, tmp_path):
+def test_genai_greedy_equals_ours_fp16(lively_decoder, tmp_path, lively_prompt):
     from andrea_export.precision import convert_precision
 
     dec = convert_precision(lively_decoder, tmp_path / "decoder.fp16.onnx", "fp16")
     write_genai_config(dec)
     with runtime.load(dec, "onnxruntime") as sess:
-        ours = sess.generate(PROMPT, N)
+        ours = sess.generate(lively_prompt, N)
     assert len(set(ours)) > 10
-    assert _genai_greedy(tmp_path, PROMPT, N) == ours
+    assert _genai_greedy(tmp_path, lively_prompt, N) == ours
 
 
 def test_genai_config_options_are_checked(lively_decoder):
@@ -100,7 +99,7 @@ void OgaShutdown(void);
 """
 
 
-def test_the_documented_c_program_generates_our_tokens(lively_build, tmp_path):
+def test_the_documented_c_program_generates_our_tokens(lively_build, tmp_path, lively_prompt):
     """docs/deploying.md's C example, compiled against the wheel's libonnxruntime-genai.so, run on the build."""
     import re
     import shutil
@@ -123,8 +122,8 @@ def test_the_documented_c_program_generates_our_tokens(lively_build, tmp_path):
     ort_lib.mkdir()
     (found,) = Path(onnxruntime.__file__).parent.glob("capi/libonnxruntime.so.*")
     (ort_lib / "libonnxruntime.so").symlink_to(found)
-    run = subprocess.run([str(tmp_path / "gen"), str(lively_build), ",".join(map(str, PROMPT)), str(N)],
+    run = subprocess.run([str(tmp_path / "gen"), str(lively_build), ",".join(map(str, lively_prompt)), str(N)],
                          capture_output=True, text=True, env={"LD_LIBRARY_PATH": str(ort_lib)}, timeout=120)
     assert run.returncode == 0, run.stderr
     with runtime.load(lively_build, "onnxruntime") as sess:
-        assert [int(t) for t in run.stdout.split()] == sess.generate(PROMPT, N)
+        assert [int(t) for t in run.stdout.split()] == sess.generate(lively_prompt, N)

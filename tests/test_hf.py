@@ -175,7 +175,7 @@ def test_folder_without_weights_or_config_is_refused(hf_folder, tmp_path):
         load_checkpoint(tmp_path)
 
 
-def test_optimum_generate_equals_our_greedy(lively_model, lively_decoder, tmp_path):
+def test_optimum_generate_equals_our_greedy(lively_model, lively_decoder, lively_prompt, tmp_path):
     """`export --hf-folder`: Optimum's ORTModelForCausalLM loads it; its greedy generate() equals ours."""
     pytest.importorskip("optimum.onnxruntime", reason="optimum-onnx (the 'hf' extra)")
     from click.testing import CliRunner
@@ -190,7 +190,7 @@ def test_optimum_generate_equals_our_greedy(lively_model, lively_decoder, tmp_pa
     result = CliRunner().invoke(main, ["export", "--checkpoint", str(ckpt), "--hf-folder", str(folder)])
     assert result.exit_code == 0, result.output
     assert {p.name for p in folder.iterdir()} == {"model.onnx", "config.json", "generation_config.json"}
-    prompt = [5, 17, 300, 42, 7, 99, 1000, 3]
+    prompt = lively_prompt
     with runtime.load(lively_decoder, "onnxruntime") as sess:
         ours = sess.generate(prompt, 64)
     assert len(set(ours)) > 10

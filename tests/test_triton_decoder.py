@@ -20,7 +20,6 @@ from andrea_export.triton_decoder import write_triton_decoder
 
 pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
-PROMPT = [5, 17, 300, 42, 7, 99, 1000, 3]
 
 
 @pytest.fixture(scope="module")
@@ -78,13 +77,13 @@ def _replay(model_dir, cfg, prompt, n, mask_slot=True):
     return out
 
 
-def test_triton_protocol_replayed_in_onnxruntime_decodes_like_our_runtime(packaged, lively_build):
+def test_triton_protocol_replayed_in_onnxruntime_decodes_like_our_runtime(packaged, lively_build, lively_prompt):
     model_dir, cfg = packaged
     with runtime.load(lively_build, "onnxruntime") as sess:
-        ours = sess.generate(PROMPT, 64)
+        ours = sess.generate(lively_prompt, 64)
     assert len(set(ours)) > 10
-    assert _replay(model_dir, cfg, PROMPT, 64) == ours
-    assert _replay(model_dir, cfg, PROMPT, 64, mask_slot=False) != ours  # the slot must be masked: the check bites
+    assert _replay(model_dir, cfg, lively_prompt, 64) == ours
+    assert _replay(model_dir, cfg, lively_prompt, 64, mask_slot=False) != ours  # the slot must be masked: the check bites
 
 
 def test_tensorrt_backend_uses_the_engine_profiles(lively_build, tmp_path):

@@ -21,11 +21,8 @@ from andrea_export.runtime.ort import OrtSession
 
 
 @pytest.fixture(scope="module")
-def prompt(demo_dir):
-    """Words whose greedy continuation varies (the trained model turns many prompts into one repeated token)."""
-    from andrea_export.text import encode, load_tokenizer
-
-    return encode(load_tokenizer(demo_dir / "tokenizer.json"), "Return a new")
+def prompt(lively_prompt):
+    return lively_prompt
 
 
 def test_load_folder_or_file_auto_is_onnxruntime(build_dir):
