@@ -87,9 +87,9 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session, pr
     assert at["reference_margin"] >= 0
     # with a precision's tolerances: a divergence passes only where every logit up to it is within them
     assert "passed" not in report
-    assert not greedy_agreement(lively_model, Nudged(), PROMPT, n_tokens=8, rtol=1e-2, atol=1e-2)["passed"]
-    assert greedy_agreement(lively_model, Nudged(), PROMPT, n_tokens=8, rtol=0, atol=100.0)["passed"]
-    assert greedy_agreement(lively_model, session, PROMPT, n_tokens=8, rtol=1e-4, atol=1e-4)["passed"]
+    assert not greedy_agreement(lively_model, Nudged(), prompt, n_tokens=8, rtol=1e-2, atol=1e-2)["passed"]
+    assert greedy_agreement(lively_model, Nudged(), prompt, n_tokens=8, rtol=0, atol=100.0)["passed"]
+    assert greedy_agreement(lively_model, session, prompt, n_tokens=8, rtol=1e-4, atol=1e-4)["passed"]
 
 
 def test_cache_stays_on_the_device_between_steps(session):
