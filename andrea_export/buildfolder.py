@@ -18,7 +18,7 @@ MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
 MAX_JSON_BYTES = 16 << 20  # a manifest or sidecar is a few kB; refuse to parse a huge one
 STATUSES = ("passed", "engine-unverified", "failed")
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")  # precision.PRECISIONS (not imported: a lower layer)
 BUILDERS = ("tensorrt", "tensorrt-rtx")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 

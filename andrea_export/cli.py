@@ -183,9 +183,10 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
 @config_option
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed of the random weights (no checkpoint). [default: 0]")
-@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16"]), default=None,
+@click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Precision of the graph the engine is built from (TensorRT 11 and TensorRT-RTX are strongly "
-                   "typed: LayerNorm and softmax stay float32). [default: fp32]")
+                   "typed: LayerNorm and softmax stay float32). int8 / int4: weight-only (ONNX Runtime's "
+                   "MatMulNBits; the engine gets the same weights as Q/DQ). [default: fp32]")
 @click.option("--builder", type=click.Choice(["auto", "tensorrt", "tensorrt-rtx"]), default=None,
               help="auto: TensorRT when it is installed and a GPU is present (plugin engine), else TensorRT-RTX "
                    "(ahead of time on the CPU, native GELU). [default: auto]")

@@ -38,7 +38,7 @@ class BuildOptions:
     config: str | None = None  # preset name or JSON file; default: from the checkpoint, else andrea-120m
     checkpoint: str | None = None  # None: seeded random weights (announced)
     seed: int = 0
-    precision: str = "fp32"  # fp32 | fp16 | bf16: the precision of the ONNX graph the engine is built from
+    precision: str = "fp32"  # fp32 | fp16 | bf16 | int8 | int4: the precision of the ONNX graph the engine is built from
     builder: str = "auto"  # auto | tensorrt | tensorrt-rtx
     profiles: str | None = None  # "batch=1:1:8,seq=1:128:1024" (';' between profiles); default from the model
     opt_level: int = 3
@@ -196,6 +196,7 @@ def _check_for_model(opts: BuildOptions, cfg) -> list:
     """The options that depend on the model, against its config: the optimization profiles (returned) and
     the verification shapes and greedy steps."""
     from .build import Profiles, parse_profiles
+    from .quantize import check_model_shape
     from .verify import check_inputs
 
     base = Profiles.for_model(cfg)
@@ -204,6 +205,7 @@ def _check_for_model(opts: BuildOptions, cfg) -> list:
         p.check(cfg.n_positions).check_tensor_sizes(cfg)
     check_inputs(cfg, opts.verify_shapes, opts.greedy_steps)
     _check_text_options(opts, cfg)
+    check_model_shape(cfg, opts.precision)
     return profiles
 
 
@@ -271,7 +273,7 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
 
     # TensorRT builds the plugin graph (our kernel in the engine); TensorRT-RTX, which has no plugin
     # layers, the standard graph (native GELU).
-    source = tmp / (artifacts["onnx_plugin"] if builder == "tensorrt" else artifacts["onnx"])
+    source = tmp / (artifacts["onnx_plugin"] if builder == "tensorrt" else artifacts.get("onnx_qdq", artifacts["onnx"]))
     result = build_engine(source, tmp / "model.plan", builder=builder, profiles=profiles, opt_level=opts.opt_level,
                           workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
                           compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)
@@ -314,17 +316,25 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
     KV-cache decoder (in the build's precision; its plugin graph for TensorRT). Returns the plugin report."""
     from .export import export_onnx
     from .passes.gelu_plugin import apply_gelu_plugin
-    from .precision import convert_precision
+    from .precision import WEIGHT_ONLY, convert_precision
+    from .quantize import write_qdq
 
+    weight_only = opts.precision in WEIGHT_ONLY
+    what = ("weights to ONNX Runtime's MatMulNBits (weight-only; the embedding lookup stays float32)" if weight_only
+            else f"graph to {opts.precision} (LayerNorm and softmax stay float32)")
     export_onnx(model, tmp / "model.onnx")
     standard = tmp / "model.onnx"
     if opts.precision != "fp32":
-        with step(f"Converting the graph to {opts.precision} (LayerNorm and softmax stay float32)"):
+        with step(f"Converting the {what}"):
             standard = convert_precision(tmp / "model.onnx", tmp / f"model.{opts.precision}.onnx", opts.precision)
         artifacts["onnx_fp32"] = "model.onnx"
     artifacts["onnx"] = standard.name
+    for_engine = standard
+    if weight_only:  # TensorRT imports no MatMulNBits: its graphs hold the same weights as DequantizeLinear
+        for_engine = write_qdq(standard, tmp / f"model.{opts.precision}.qdq.onnx")
+        artifacts["onnx_qdq"] = for_engine.name
     with step("Handing every tanh-GELU to the plugin (graph pass)"):
-        plugin_report = apply_gelu_plugin(standard, tmp / standard.name.replace(".onnx", ".plugin.onnx"),
+        plugin_report = apply_gelu_plugin(for_engine, tmp / for_engine.name.replace(".onnx", ".plugin.onnx"),
                                           fuse_bias=opts.fuse_bias)
     artifacts["onnx_plugin"] = plugin_report.path.name
     console.print(f"  {plugin_report.summary()}")
@@ -339,6 +349,9 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
             decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
         artifacts["decoder_onnx"] = decoder.name
         artifacts["genai_config"] = write_genai_config(decoder).name  # onnxruntime_genai.Model(build_dir) runs it
+        if weight_only:
+            decoder = write_qdq(decoder, tmp / f"decoder.{opts.precision}.qdq.onnx")
+            artifacts["decoder_onnx_qdq"] = decoder.name
         if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
             artifacts["decoder_onnx_plugin"] = apply_gelu_plugin(
                 decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"), fuse_bias=opts.fuse_bias).path.name
@@ -366,7 +379,7 @@ def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict,
     from .build import build_engine
     from .kvcache import optimization_profiles
 
-    source = tmp / artifacts.get("decoder_onnx_plugin", artifacts["decoder_onnx"])
+    source = tmp / artifacts.get("decoder_onnx_plugin", artifacts.get("decoder_onnx_qdq", artifacts["decoder_onnx"]))
     result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
                           opt_level=opts.opt_level, workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
                           compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)

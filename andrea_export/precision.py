@@ -1,4 +1,5 @@
-"""fp16 / bf16 ONNX graphs from the fp32 export.
+"""fp16 / bf16 ONNX graphs from the fp32 export (and the names and tolerances of every precision; the
+weight-only int8 / int4 graphs are quantize.py's, through ONNX Runtime's quantizer).
 
 TensorRT 11 and TensorRT-RTX are strongly typed: an engine computes in the types its ONNX graph
 declares (there are no FP16/BF16 builder flags any more), so a half-precision engine starts from a
@@ -42,7 +43,8 @@ from .buildfolder import metadata_json
 from .errors import ConfigError, ExportError
 from .names import KV_LAYOUT_KEY, LOGITS, PRECISION_KEY
 
-PRECISIONS = ("fp32", "fp16", "bf16")
+PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
+WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights: quantize.py (ONNX Runtime only)
 ONNX_TYPE = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 KEEP_FP32 = ("LayerNormalization", "Softmax")  # ops whose statistics stay float32
 FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/O (the KV cache) follows it
@@ -77,21 +79,35 @@ FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/
 # far above the CPU's 1e-5 on purpose: GPU engines reorder reductions and may evaluate tanh/exp with
 # approximate instructions; tighten it from GPU runs.
 # fp32 is held to 1e-4 (the foundation issue's bar: about 1e-4 relative on the logits).
+#
+# Weight-only int8 / int4 (quantize.py: ONNX Runtime's MatMulNBits, symmetric round-to-nearest, int8
+# blocks of 64, int4 blocks of 32, tied head quantized too), ONNX Runtime CPU, trained andrea-tiny,
+# random ids batch 4 x 128 / the build's default shapes:
+#
+#   graph        max|err|      top-1     max KL     perplexity (held-out text, vs PyTorch fp32 343.83)
+#   int8         0.127         98.2 %    1.6e-4     343.92 (+2.7e-4)
+#   int4         1.68          63.1 %    3.5e-2     345.93 (+6.1e-3)
+#
+# Their logit bounds are about 3x the worst measurement (random ids are where the tiny model's
+# next-token distribution is flattest, so top-1 flips most: on held-out text int4 keeps far more);
+# their perplexity bounds are the issue's goals: int8 within 1 %, int4 within 5 % of fp32.
 TOLERANCES = {
     "fp32": dict(rtol=1e-4, atol=1e-4),
     "fp16": dict(rtol=1e-2, atol=3e-2),
     "bf16": dict(rtol=2e-2, atol=4e-1),
+    "int8": dict(rtol=5e-2, atol=4e-1),
+    "int4": dict(rtol=2e-1, atol=5.0),
 }
 # Least share of positions whose top-1 token must agree with the reference (same measurements).
-MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95}
+MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.95, "int4": 0.0}
 # Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
 # trained models' worst above times >= 7 (random weights: fp32 3e-13, fp16 3e-9, bf16 7e-7). A wrong
 # kernel gives 1e-1 and up.
-MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2}
+MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2, "int8": 1e-3, "int4": 1e-1}
 # Largest relative difference of an artifact's perplexity on real text from PyTorch fp32's (verify with
 # an evaluation text: build --tokenizer --eval-text). Measured above: fp16 1.9e-5, bf16 2.9e-4; the
 # bounds leave >= 17x margin (the issue asks for 1 %; a drift of 0.5 % is already a defect).
-MAX_PPL_REL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 5e-3}
+MAX_PPL_REL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "int4": 5e-2}
 
 
 def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str) -> Path:
@@ -102,6 +118,10 @@ def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str)
     """
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision in WEIGHT_ONLY:  # not a float type: ONNX Runtime's quantizer writes those graphs
+        from .quantize import quantize_weights
+
+        return quantize_weights(onnx_in, onnx_out, precision)
     onnx_in, onnx_out = Path(onnx_in), Path(onnx_out)
     if not onnx_in.is_file():
         raise ExportError(f"{onnx_in}: no such ONNX file")

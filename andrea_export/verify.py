@@ -62,7 +62,7 @@ def onnxrt_runner(onnx_path: str | Path, name: str | None = None):
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
-    from .precision import emulate_in_fp32, graph_precision
+    from .precision import WEIGHT_ONLY, emulate_in_fp32, graph_precision
 
     ort.set_default_logger_severity(3)  # errors only: its constant-folding notes on fp16 graphs are noise
     providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
@@ -71,6 +71,12 @@ def onnxrt_runner(onnx_path: str | Path, name: str | None = None):
     if graph_precision(model) == "bf16" and providers == ["CPUExecutionProvider"]:
         emulated = emulate_in_fp32(onnx.load(str(onnx_path)))
         return OnnxrtRunner(SessionFromOnnx(emulated.SerializeToString(), providers=providers), name=name + " (bf16 emulated)")
+    if graph_precision(model) in WEIGHT_ONLY:
+        # ORT rewrites a Q/DQ graph's DequantizeLinear -> MatMul into MatMulNBits that quantizes the
+        # activations to int8 too (accuracy level 4) unless told not to: not what TensorRT computes
+        options = ort.SessionOptions()
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+        return OnnxrtRunner(ort.InferenceSession(str(onnx_path), options, providers=providers), name=name)
     return OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers), name=name)
 
 
