@@ -612,7 +612,7 @@ def _check_precision(name: str, precision: str, ccs: list[str]) -> None:
     if precision == "bf16":
         raise ConfigError(f"precision bf16 needs compute capability 8.0 or newer; the target {', '.join(old)} has "
                           "no bf16: build fp16 (--precision fp16)")
-    if precision == "fp32" and name == "TensorRT-RTX":
+    if precision in ("fp32", "int8", "int4") and name == "TensorRT-RTX":  # weight-only: float32 activations
         raise ConfigError("TensorRT-RTX builds no fp32 matrix multiplies for compute capability 7.5 (Turing): "
                           "build an fp16 graph (--precision fp16) for it")
 

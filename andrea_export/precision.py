@@ -43,8 +43,9 @@ from .buildfolder import metadata_json
 from .errors import ConfigError, ExportError
 from .names import KV_LAYOUT_KEY, LOGITS, PRECISION_KEY
 
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")
-WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights: quantize.py (ONNX Runtime only)
+FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")  # convert_precision's: every weight and activation in that type
+WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights: quantize.py (Q/DQ for the engines)
+PRECISIONS = (*FLOAT_PRECISIONS, *WEIGHT_ONLY)
 ONNX_TYPE = {"fp32": TensorProto.FLOAT, "fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 KEEP_FP32 = ("LayerNormalization", "Softmax")  # ops whose statistics stay float32
 FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/O (the KV cache) follows it

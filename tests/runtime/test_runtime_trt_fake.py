@@ -21,7 +21,7 @@ from andrea_export.artifacts import sha256_file
 from andrea_export.config import ANDREA_TINY
 from andrea_export.export import read_config
 from andrea_export.kvcache import optimization_profiles, read_kv_layout
-from andrea_export.precision import PRECISIONS, convert_precision, emulate_in_fp32
+from andrea_export.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
 from andrea_export.runtime.ort import OrtSession
 
 N = ANDREA_TINY.n_positions
@@ -103,7 +103,7 @@ def _closed_clean(device: FakeCudart):
 
 @pytest.mark.parametrize("length", LENGTHS)
 @pytest.mark.parametrize("cuda_graph", [False, True], ids=["growing-cache", "cuda-graph"])
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
 def test_trt_session_matrix(device, graphs, expected, tmp_path, precision, cuda_graph, length):
     """forward(prompt) and greedy generation to the end of the context equal ONNX Runtime's on the same graph."""
     logits, tokens = expected(precision, length)
@@ -305,7 +305,7 @@ def wrong_graphs(graphs, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
 def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, graphs, wrong_graphs, lively_model,
                                                                       tmp_path, monkeypatch, precision):
     """pipeline._verify on a GPU host: the decoder engine's greedy decoding through TrtSession gates the build's
