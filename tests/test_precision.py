@@ -114,11 +114,14 @@ def test_external_data_round_trip(tiny_onnx, tmp_path):
 
 def test_errors(graphs, tiny_onnx, tmp_path):
     with pytest.raises(ConfigError) as e:
-        convert_precision(tiny_onnx, tmp_path / "x.onnx", "int8")
-    assert str(e.value) == "precision must be one of fp32, fp16, bf16, got 'int8'"
+        convert_precision(tiny_onnx, tmp_path / "x.onnx", "int2")
+    assert str(e.value) == "precision must be one of fp32, fp16, bf16, int8, int4, got 'int2'"
     with pytest.raises(ExportError) as e:
         convert_precision(graphs["fp16"], tmp_path / "x.onnx", "bf16")
     assert str(e.value) == f"{graphs['fp16']}: is already a fp16 graph; convert from the fp32 export"
+    with pytest.raises(ExportError) as e:  # int8/int4 go to quantize.py, which refuses a converted graph too
+        convert_precision(graphs["fp16"], tmp_path / "x.onnx", "int4")
+    assert str(e.value) == f"{graphs['fp16']}: is already a fp16 graph; quantize the fp32 export"
     with pytest.raises(ExportError) as e:
         convert_precision(tmp_path / "none.onnx", tmp_path / "x.onnx", "fp16")
     assert str(e.value) == f"{tmp_path / 'none.onnx'}: no such ONNX file"

@@ -161,3 +161,26 @@ def test_generate_runs_on_the_int4_decoder(quantized_build, lively_prompt):
         ids = np.concatenate([ids, _run(out / "model.int4.onnx", ids)[:, -1:].argmax(-1)], axis=1)
     assert tokens == ids[0, len(lively_prompt):].tolist()
     assert len(set(tokens)) > 3  # it really decodes text, not one repeated token
+
+
+@pytest.mark.parametrize("precision", WEIGHT_ONLY)
+def test_turing_is_refused_for_weight_only(precision):
+    """The int8/int4 engines multiply float32 activations, which TensorRT-RTX cannot do for Turing."""
+    from andrea_export.build import check_targets
+
+    with pytest.raises(ConfigError, match="TensorRT-RTX builds no fp32 matrix multiplies for compute capability 7.5"):
+        check_targets("tensorrt-rtx", ["7.5"], precision)
+
+
+def test_verification_runs_the_qdq_graph_as_the_engine_computes_it(tiny_onnx, tmp_path):
+    """verify's ONNX Runtime runner keeps a Q/DQ graph's activations float32 (ORT would otherwise fuse it
+    into a MatMulNBits that quantizes them to int8), so it measures the weights the engine gets."""
+    from andrea_export.verify import onnxrt_runner
+
+    nbits = quantize_weights(tiny_onnx, tmp_path / "model.int4.onnx", "int4")
+    qdq = write_qdq(nbits, tmp_path / "model.int4.qdq.onnx")
+    ids = np.random.default_rng(1).integers(0, ANDREA_TINY.vocab_size, (2, 32))
+    runner = onnxrt_runner(qdq)
+    with runner:
+        got = runner.infer({"input_ids": ids})["logits"]
+    np.testing.assert_allclose(got, _run(nbits, ids), atol=1e-4, rtol=1e-4)
