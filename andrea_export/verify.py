@@ -301,7 +301,8 @@ def print_summary(report: VerifyReport) -> None:
     if d:
         worst = max(s["max_abs_logits"] for s in d["steps"]["per_step"])
         console.print(f"KV-cache decoder {d['artifact']}: prefill + {d['steps']['steps']} decode steps vs PyTorch, "
-                      f"max |logit diff| {worst:.2e}: " + (styled("ok", "green") if d["steps"]["passed"] else styled("FAILED", "bold red")))
+                      f"max |logit diff| {worst:.2e}: ", styled("ok", "green") if d["steps"]["passed"]
+                      else styled("FAILED", "bold red"), sep="")  # a str and a Text: two renderables, no '+'
         for key, label in (("greedy", "ONNX Runtime"), ("engine_greedy", "engine")):
             g = d.get(key)
             if g and "agree" in g:

@@ -184,3 +184,15 @@ def test_verification_runs_the_qdq_graph_as_the_engine_computes_it(tiny_onnx, tm
     with runner:
         got = runner.infer({"input_ids": ids})["logits"]
     np.testing.assert_allclose(got, _run(nbits, ids), atol=1e-4, rtol=1e-4)
+
+
+def test_verify_cli_reverifies_a_quantized_build_with_its_decoder(quantized_build, demo_dir):
+    """`verify BUILD` re-measures the folder and prints its summary, the KV-cache decoder's line included
+    (that line concatenated a str and a rich Text: a TypeError for every build with a decoder)."""
+    precision, out, _ = quantized_build
+    if precision != "int8":
+        pytest.skip("one weight-only build is enough for the command")
+    result = CliRunner().invoke(main, ["verify", str(out), "--checkpoint", str(demo_dir / "model.safetensors"),
+                                       "--shapes", "1x8", "--greedy-steps", "2"])
+    assert result.exit_code == 0, result.output + repr(result.exception)
+    assert "KV-cache decoder decoder.int8.onnx" in result.output and "perplexity on" in result.output
