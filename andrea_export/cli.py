@@ -439,11 +439,15 @@ def train_demo(out, seed, steps, threads):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"), show_default=True,
               help="Folder for bench.json, bench.csv, bench.md and the PNG plots. Exported ONNX files are cached in "
                    "$ANDREA_EXPORT_CACHE or ~/.cache/andrea-export/bench.")
+@click.option("--spin/--no-spin", default=False, show_default=True,
+              help="Let ONNX Runtime's threads spin-wait between ops in every ORT backend (ORT's own default, and "
+                   "what onnxruntime-genai always does). Off by default: spinning threads left over from one "
+                   "backend's call steal the cores of the next in interleaved rounds.")
 @click.option("--compare", nargs=2, type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               metavar="A.json B.json", help="Only compare two earlier results: B/A ratios of the matching rows.")
 @_user_errors
 def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, trt_engines, out,
-          compare):
+          spin, compare):
     """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
     the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
 
@@ -463,6 +467,6 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
         backends=bench_mod.parse_names(backends, bench_mod.BACKENDS, "backend"),
         scenarios=bench_mod.parse_names(scenarios, bench_mod.SCENARIOS, "scenario"),
         prefill_grid=prefill_grid, decode_grid=decode_grid,
-        trt_engines=bench_mod.parse_engine_specs(trt_engines),
+        trt_engines=bench_mod.parse_engine_specs(trt_engines), ort_spin=spin,
     )
     click.echo(bench_report.to_markdown(doc))

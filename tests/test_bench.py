@@ -319,3 +319,19 @@ def test_mem_read_reads_the_decode_step_bytes():
     run = b.decode(np.zeros((2, 1), np.int64), np.ones((2, 10), np.int64), past)
     expected = bench.forward_bytes(ANDREA_TINY, 2, 1, 9) // 4
     assert float(run()) == expected  # a sum of ones over exactly the step's bytes
+
+
+@pytest.mark.parametrize("flag, spinning", [("--spin", True), ("--no-spin", False)])
+def test_cli_spin_reaches_every_ort_backend(tmp_path, flag, spinning):
+    """`bench --spin` lets ORT spin-wait (as onnxruntime-genai always does), so that peers compare like with like."""
+    from click.testing import CliRunner
+
+    from andrea_export.cli import main
+
+    out = tmp_path / "b"
+    result = CliRunner().invoke(main, ["bench", "--config", "andrea-tiny", "--quick", "--backends", "ort-cpu",
+                                       "--scenarios", "prefill", "--prefill-grid", "1x8", "--threads", "1", "--out",
+                                       str(out), flag])
+    assert result.exit_code == 0, result.output
+    doc = json.loads((out / "bench.json").read_text())
+    assert doc["backends"]["ort-cpu"]["spin_wait"] is spinning
