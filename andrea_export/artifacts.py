@@ -22,6 +22,16 @@ os.umask(_UMASK)
 _FILE_MODE = 0o666 & ~_UMASK  # what open() would give; mkstemp's 0600 would hide artifacts from other users
 
 
+def cache_dir(kind: str, override: str | None = None) -> Path:
+    """The project's on-disk cache for `kind` (ptx, demo, bench, ...): $<override> when that variable is set,
+    else $ANDREA_EXPORT_CACHE/<kind>, else $XDG_CACHE_HOME (or ~/.cache)/andrea-export/<kind>."""
+    if override and os.environ.get(override):
+        return Path(os.environ[override])
+    if os.environ.get("ANDREA_EXPORT_CACHE"):
+        return Path(os.environ["ANDREA_EXPORT_CACHE"]) / kind
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "andrea-export" / kind
+
+
 @contextlib.contextmanager
 def atomic_path(final: str | Path):
     """Yield a temporary path beside `final`; on success rename it to `final`, on any error remove it."""

@@ -438,7 +438,7 @@ def train_demo(out, seed, steps, threads):
                    "plugin:decode=build/decoder.plan. Repeatable.")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"), show_default=True,
               help="Folder for bench.json, bench.csv, bench.md and the PNG plots. Exported ONNX files are cached in "
-                   "$ANDREA_EXPORT_CACHE or ~/.cache/andrea-export/bench.")
+                   "$ANDREA_EXPORT_CACHE/bench or ~/.cache/andrea-export/bench.")
 @click.option("--spin/--no-spin", default=False, show_default=True,
               help="Let ONNX Runtime's threads spin-wait between ops in every ORT backend (ORT's own default, and "
                    "what onnxruntime-genai always does). Off by default: spinning threads left over from one "

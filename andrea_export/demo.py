@@ -8,7 +8,7 @@ deterministic algorithms on a fixed number of threads (1 by default), and nothin
 same code, corpus, torch and recipe give bit-identical weights and perplexity on the same machine
 (another CPU may round differently; `train.json` records what made it).
 
-`demo_model()` caches the result in ANDREA_EXPORT_CACHE (else ~/.cache/andrea-export)/demo/<key>, the
+`demo_model()` caches the result in `artifacts.cache_dir("demo")`/<key> (ANDREA_EXPORT_CACHE/demo, else ~/.cache/andrea-export/demo), the
 key a hash of this code, the corpus and the versions, so tests and the README's example train once.
 The main path (`andrea-export build`) never needs it.
 """
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from . import text
-from .artifacts import write_text_atomic
+from .artifacts import cache_dir, write_text_atomic
 from .config import ANDREA_TINY, ModelConfig
 
 FILES = {"tokenizer": "tokenizer.json", "checkpoint": "model.safetensors", "heldout": "heldout.txt",
@@ -204,15 +204,9 @@ def cache_key(recipe: Recipe = Recipe()) -> str:
     return h.hexdigest()[:16]
 
 
-def default_cache_dir() -> Path:
-    if os.environ.get("ANDREA_EXPORT_CACHE"):
-        return Path(os.environ["ANDREA_EXPORT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "andrea-export"
-
-
 def demo_model(cache: str | Path | None = None, recipe: Recipe = Recipe(), quiet: bool = True) -> Path:
     """The folder of the trained demo (see FILES), trained on the first call and cached after."""
-    root = Path(cache) if cache else default_cache_dir() / "demo"
+    root = Path(cache) if cache else cache_dir("demo")
     final = root / cache_key(recipe)
     if (final / FILES["log"]).is_file():
         return final

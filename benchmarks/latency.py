@@ -60,7 +60,7 @@ def main(argv=None) -> int:
         p.add_argument(f"--trt-{v}-decoder-engine", type=Path, default=None, help=f"TensorRT {v}-GELU KV-cache engine")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="folder for bench.json/.csv/.md and plots")
     p.add_argument("--cache-dir", type=Path, default=None, help="exported ONNX files, reused between runs "
-                   "(default: $ANDREA_EXPORT_CACHE or ~/.cache/andrea-export/bench)")
+                   "(default: $ANDREA_EXPORT_CACHE/bench or ~/.cache/andrea-export/bench)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--compare", nargs=2, type=Path, metavar=("A.json", "B.json"), help="only compare two results")
     a = p.parse_args(argv)

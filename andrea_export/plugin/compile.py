@@ -96,11 +96,9 @@ def kernel_source_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("ANDREA_PTX_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "andrea-export" / "ptx"
+    from ..artifacts import cache_dir
+
+    return cache_dir("ptx", override="ANDREA_PTX_CACHE")
 
 
 def best_arch(capability: tuple[int, int] | None) -> str:

@@ -5,7 +5,6 @@ that need it skip and say so."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -20,11 +19,9 @@ TRT_PLUGIN_WHEELS = {"10.9.0.34": "tensorrt-cu12-bindings", "11.4.0.106": "tenso
 
 
 def _cache_root() -> Path:
-    env = os.environ.get("ANDREA_TRT_PLUGIN_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "andrea-export" / "tensorrt-plugin"
+    from andrea_export.artifacts import cache_dir
+
+    return cache_dir("tensorrt-plugin", override="ANDREA_TRT_PLUGIN_CACHE")
 
 
 def plugin_sources(version: str) -> Path:

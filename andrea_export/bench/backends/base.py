@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -67,10 +66,10 @@ def _exporter_fingerprint() -> str:
 
 
 def default_cache_dir() -> Path:
-    """Where exported ONNX files are cached between runs: $ANDREA_EXPORT_CACHE, else ~/.cache/andrea-export/bench."""
-    if os.environ.get("ANDREA_EXPORT_CACHE"):
-        return Path(os.environ["ANDREA_EXPORT_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "andrea-export" / "bench"
+    """Where exported ONNX files are cached between runs: $ANDREA_EXPORT_CACHE/bench, else ~/.cache/andrea-export/bench."""
+    from ...artifacts import cache_dir
+
+    return cache_dir("bench")
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
