@@ -33,7 +33,7 @@ from typing import Sequence
 import onnx
 
 from .artifacts import atomic_path, sha256_file, write_text_atomic
-from .buildfolder import metadata_json, read_engine_info
+from .buildfolder import inside, metadata_json, read_engine_info
 from .config import ModelConfig
 from .errors import BuildError, ConfigError, ExportError, MissingDependency, gpu_compute_capability, installed, require  # noqa: F401
 from .external_data import external_data_files
@@ -427,11 +427,7 @@ def refit_stripped(trt, engine, plan_path: str | Path, info: dict, logger=None) 
     if not info.get("weights_stripped"):
         return False
     plan_path = Path(plan_path)
-    name = str(info.get("onnx", ""))
-    if not name or Path(name).name != name or name in (".", ".."):
-        raise BuildError(f"{plan_path}: weight-stripped engine, but its sidecar names the graph to refit from as "
-                         f"{name!r}, not a file name beside it")
-    graph = plan_path.parent / name
+    graph = inside(plan_path.parent, info.get("onnx"), f"{plan_path}.json: 'onnx' (the graph to refit from)", flat=True)
     try:
         external_data_files(graph)
     except ExportError as e:
@@ -443,13 +439,13 @@ def refit_stripped(trt, engine, plan_path: str | Path, info: dict, logger=None) 
     parser = trt.OnnxParserRefitter(refitter, logger)
     if not parser.refit_from_file(str(graph)):
         errors = "; ".join(parser.get_error(i).desc() for i in range(parser.num_errors)) or "no reason given"
-        raise BuildError(f"{plan_path}: refitting its weights from {name} failed: {errors}")
+        raise BuildError(f"{plan_path}: refitting its weights from {graph.name} failed: {errors}")
     missing = refitter.get_missing_weights()
     if missing:
-        raise BuildError(f"{plan_path}: {name} does not give every weight the engine needs (missing: "
+        raise BuildError(f"{plan_path}: {graph.name} does not give every weight the engine needs (missing: "
                          f"{', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}): not the graph it was built from")
     if not refitter.refit_cuda_engine():
-        raise BuildError(f"{plan_path}: TensorRT could not refit the engine from {name} (see the log above)")
+        raise BuildError(f"{plan_path}: TensorRT could not refit the engine from {graph.name} (see the log above)")
     return True
 
 

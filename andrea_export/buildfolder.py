@@ -59,7 +59,7 @@ def read_json(path: Path, error: type[Exception] = BuildError):
 # with those keys (a key ending in '?' may be left out; other keys are allowed and ignored).
 _NUMBER = (int, float)
 _BUILDER = {"name": BUILDERS, "version": str, "compute_capabilities": [str], "build_seconds?": _NUMBER,
-            "plugin_layers?": int, "opt_level?": int}
+            "plugin_layers?": int, "opt_level?": int, "weights_stripped?": bool}
 _VERIFICATION = {"passed?": bool, "skipped": [{"artifact": str, "reason": str}]}
 _ARTIFACT = {"path": str, "sha256": str, "bytes": int}
 MANIFEST_SCHEMA = {
@@ -71,7 +71,8 @@ MANIFEST_SCHEMA = {
 _MINIMAL = ("schema_version", "model", "artifacts")
 ENGINE_INFO_SCHEMA = {"builder": BUILDERS, "builder_version": str, "plan_bytes": int, "plan_sha256": str,
                       "compute_capabilities": [str], "compute_capabilities_default?": bool, "plugin_layers?": int,
-                      "precision?": str, "profiles?": list}
+                      "precision?": str, "onnx?": str, "weights_stripped?": bool,
+                      "profiles?": [dict]}
 
 
 def _check(value, spec, where: str) -> str | None:
@@ -180,6 +181,24 @@ def changed_artifacts(folder: str | Path, manifest: dict) -> list[str]:
         if not p.is_file() or p.stat().st_size != a["bytes"] or sha256_file(p) != a["sha256"]:
             bad.append(a["path"])
     return bad
+
+
+def graph_weights(folder: str | Path, manifest: dict, graph: str | Path, error: type[Exception] = BuildError) -> list[str]:
+    """The weights files `graph` points into (ONNX external data), each a recorded artifact of the validated
+    `manifest` that still matches its sha256: whoever runs or ships a graph runs or ships those bytes too."""
+    from .errors import AndreaExportError
+    from .external_data import external_data_files
+
+    try:
+        names = sorted(external_data_files(graph))
+    except AndreaExportError as e:
+        raise error(str(e)) from None
+    recorded = {a["path"]: (r, a) for r, a in manifest["artifacts"].items()}
+    if missing := [w for w in names if w not in recorded]:
+        raise error(f"{folder}: {Path(graph).name} points into {', '.join(missing)}, which the manifest does not record; rebuild it")
+    if changed := changed_artifacts(folder, {"artifacts": dict(recorded[w] for w in names)}):
+        raise error(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    return names
 
 
 def read_engine_info(path: str | Path, error: type[Exception] = BuildError) -> dict:

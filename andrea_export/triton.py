@@ -55,7 +55,7 @@ from onnx import TensorProto
 
 from . import __version__
 from .artifacts import locked_folder, sha256_file, swap_folders
-from .buildfolder import MANIFEST
+from .buildfolder import MANIFEST, graph_weights
 from .buildfolder import read_manifest as _read_manifest
 from .errors import AndreaExportError, require
 from .progress import warn
@@ -238,7 +238,7 @@ def write_triton_repo(
     header = _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size)
     text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "\n" + config_text(cfg)
     return _write_model_dir(
-        repo_dir, name, text, artifact, backend, build_dir / MANIFEST, overwrite=overwrite, hardlink=hardlink
+        repo_dir, name, text, artifact, backend, build_dir / MANIFEST, manifest, overwrite=overwrite, hardlink=hardlink
     )
 
 
@@ -409,16 +409,6 @@ def _check_vocab(path: Path, outputs: dict, manifest: dict) -> None:
         )
 
 
-def _external_data(path: Path) -> list[str]:
-    """Names of the weight files an ONNX file points into, checked (none when self-contained)."""
-    from .external_data import external_data_files
-
-    try:
-        return sorted(external_data_files(path))
-    except AndreaExportError as e:
-        raise PackageError(str(e)) from None
-
-
 # ------------------------------------------------------------------------------------ config contents
 
 
@@ -485,7 +475,7 @@ def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size
 
 
 def _write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend: str, manifest_path: Path,
-                     *, overwrite: bool, hardlink: bool) -> Path:
+                     manifest: dict, *, overwrite: bool, hardlink: bool) -> Path:
     final = repo / name
     if final.is_symlink() or final.is_file():
         raise PackageError(f"{final} exists and is not a folder; remove it or choose another name")
@@ -500,7 +490,7 @@ def _write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend
         if backend == "tensorrt":
             _place(artifact, version / "model.plan", hardlink)
         else:
-            locations = _external_data(artifact)
+            locations = graph_weights(manifest_path.parent, manifest, artifact, PackageError)
             if locations:  # Triton: a multi-file ONNX model is a folder named model.onnx holding model.onnx
                 (version / "model.onnx").mkdir()
                 _place(artifact, version / "model.onnx" / "model.onnx", hardlink)

@@ -76,8 +76,12 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
         raise PackageError(f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to "
                            "package its decoder. Pass allow_failed=True (--allow-failed) to package it anyway")
     trt_engine = "decoder_engine" in artifacts and _builder(manifest)[0] == "tensorrt"
+    stripped = bool(manifest.get("builder", {}).get("weights_stripped"))  # Triton's TensorRT backend does not refit
     if backend == "auto":
-        backend = "tensorrt" if trt_engine and kind == "gpu" else "onnxruntime"
+        backend = "tensorrt" if trt_engine and not stripped and kind == "gpu" else "onnxruntime"
+    if backend == "tensorrt" and stripped:
+        raise PackageError(f"{build_dir}: the decoder engine is weight-stripped (--strip-weights), and Triton's "
+                           "TensorRT backend does not refit engines at load; serve the graph with backend='onnxruntime'")
     if backend == "tensorrt" and not trt_engine:
         raise PackageError(f"{build_dir}: no TensorRT decoder engine (TensorRT-RTX plans do not load in Triton's "
                            "TensorRT backend); serve the decoder graph with backend='onnxruntime'")
@@ -96,7 +100,7 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
     for k, v in params.items():
         cfg.parameters[k].string_value = v
     text = "".join(f"# {line}\n" for line in _header(build_dir, manifest, backend, profiles)) + "\n" + config_text(cfg)
-    return _write_model_dir(repo_dir, cfg.name, text, artifact, backend, build_dir / MANIFEST,
+    return _write_model_dir(repo_dir, cfg.name, text, artifact, backend, build_dir / MANIFEST, manifest,
                             overwrite=overwrite, hardlink=hardlink)
 
 
@@ -143,6 +147,11 @@ def _engine_profiles(build_dir: Path, manifest: dict) -> list:
     profiles = read_engine_info(info, PackageError).get("profiles") or []
     if len(profiles) != 2:
         raise PackageError(f"{info}: expected the decoder engine's two profiles (prefill, decode), found {len(profiles)}")
+    for p in profiles:  # an untrusted sidecar: every shape the config is written from is checked first
+        shapes = p.get("shapes")
+        if not isinstance(shapes, dict) or not all(isinstance(v, dict) and isinstance(v.get("min"), list)
+                                                   and isinstance(v.get("max"), list) for v in shapes.values()):
+            raise PackageError(f"{info}: a profile without 'shapes' of min/max lists: not an andrea-export decoder engine")
     return profiles
 
 

@@ -171,8 +171,20 @@ def test_an_engine_with_its_weights_is_left_alone(shipped):
 def test_the_sidecar_cannot_send_the_refit_outside_the_folder(shipped, onnx_name):
     folder, info, counts = shipped
     trt = FakeTrt()
-    with pytest.raises(BuildError, match="not a file name beside it"):
+    with pytest.raises(BuildError, match="'onnx' \\(the graph to refit from\\): .*(outside the build folder|not a file name)"):
         refit_stripped(trt, FakeEngine(counts), folder / "model.plan", info | {"onnx": onnx_name})
+    assert trt.calls == []
+
+
+def test_the_sidecar_cannot_refit_through_a_symlink_out_of_the_folder(shipped, tmp_path_factory):
+    """A plain file name is not enough: a symlink beside the plan may point at a graph elsewhere."""
+    folder, info, counts = shipped
+    elsewhere = tmp_path_factory.mktemp("elsewhere") / "model.onnx"
+    elsewhere.write_bytes((folder / info["onnx"]).read_bytes())
+    (folder / "link.onnx").symlink_to(elsewhere)
+    trt = FakeTrt()
+    with pytest.raises(BuildError, match="outside the build folder"):
+        refit_stripped(trt, FakeEngine(counts), folder / "model.plan", info | {"onnx": "link.onnx"})
     assert trt.calls == []
 
 

@@ -56,6 +56,8 @@ def make_build(
     if onnx_src is not None:
         for f in onnx_src.parent.iterdir():  # the .onnx and any external weight file beside it
             shutil.copyfile(f, folder / f.name)
+            if f.name != onnx_src.name:  # the build records the weights files too (their sha256 is checked)
+                add(f"weights_{f.name}", folder / f.name)
         add("onnx", folder / onnx_src.name)
     if engine:
         (folder / "engine-PLACEHOLDER.plan").write_bytes(PLACEHOLDER_ENGINE)

@@ -127,3 +127,16 @@ def test_build_without_decoder_is_refused(lively_build, tmp_path):
     (build / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(PackageError, match="no KV-cache decoder"):
         write_triton_decoder(build, tmp_path / "repo")
+
+
+def test_a_weight_stripped_decoder_engine_is_never_served_by_tensorrt(lively_build, tmp_path):
+    """Triton's TensorRT backend does not refit: `auto` serves the graph, and asking for the engine is refused."""
+    trt = tmp_path / "stripped-build"
+    shutil.copytree(lively_build, trt)
+    m = json.loads((trt / "manifest.json").read_text())
+    m["builder"].update(name="tensorrt", weights_stripped=True)
+    (trt / "manifest.json").write_text(json.dumps(m))
+    model_dir = write_triton_decoder(trt, tmp_path / "repo", backend="auto", kind="gpu")
+    assert parse_config((model_dir / "config.pbtxt").read_text()).platform == "onnxruntime_onnx"
+    with pytest.raises(PackageError, match="weight-stripped"):
+        write_triton_decoder(trt, tmp_path / "repo2", backend="tensorrt", kind="gpu")

@@ -21,7 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..buildfolder import MANIFEST
-from ..errors import AndreaExportError, installed
+from ..errors import installed
 from ..graphs import read_decoder
 from ..names import DECODER_FILE, TOKENIZER_FILE
 from .base import InputError, Request, SerialSession, Session, Steps, check_ids
@@ -65,8 +65,7 @@ def _resolve(path: Path) -> tuple[Path, Path | None]:
 def _from_build(folder: Path) -> tuple[Path, Path | None]:
     """A build folder's decoder graph and engine, after checking the manifest and that both files are
     still the ones built (sha256): a changed file is refused, never run."""
-    from ..buildfolder import artifact, changed_artifacts, read_manifest
-    from ..external_data import external_data_files
+    from ..buildfolder import artifact, changed_artifacts, graph_weights, read_manifest
 
     m = read_manifest(folder, full=False, error=InputError)  # what decoding needs, each field checked
     roles = [r for r in ("decoder_onnx", "decoder_engine", "decoder_engine_info") if r in m["artifacts"]]
@@ -76,16 +75,7 @@ def _from_build(folder: Path) -> tuple[Path, Path | None]:
     if changed := changed_artifacts(folder, {"artifacts": {r: m["artifacts"][r] for r in roles}}):
         raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
     decoder = artifact(folder, m, "decoder_onnx")
-    # the weights file(s) the decoder points into are run too: each must be a recorded, unchanged artifact
-    recorded = {a["path"]: (r, a) for r, a in m["artifacts"].items()}
-    try:
-        weights = sorted(external_data_files(decoder))
-    except AndreaExportError as e:
-        raise InputError(str(e)) from None
-    if missing := [w for w in weights if w not in recorded]:
-        raise InputError(f"{folder}: the decoder's weights file {', '.join(missing)} is not in the manifest; rebuild it")
-    if changed := changed_artifacts(folder, {"artifacts": dict(recorded[w] for w in weights)}):
-        raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    graph_weights(folder, m, decoder, InputError)  # the weights it points into are run too
     return decoder, artifact(folder, m, "decoder_engine") if "decoder_engine" in roles else None
 
 
