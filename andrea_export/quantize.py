@@ -6,9 +6,9 @@ weight MatMuls are `com.microsoft.MatMulNBits` nodes, as ONNX Runtime's
 along K, one float32 scale per block; activations stay float32: weight-only):
 
 - int4: 4-bit blocks of 32 (QUANT["int4"]);
-- int8: 8-bit blocks of 256 (ORT's MatMulNBits has no separate per-channel mode; a block of 256 covers
-  the whole K of andrea-tiny's MatMuls, K = 64 and 256, so there it is per channel; ANDREA-120M's
-  K = 768 / 3072 gets 3 / 12 blocks per output channel).
+- int8: 8-bit blocks of 64 (QUANT["int8"]; ORT's MatMulNBits has no separate per-channel mode, and a
+  block larger than K is padded: 256 made andrea-tiny's K = 64 MatMuls 4x their size. 64 divides every
+  K of both models: 64 / 256 in andrea-tiny, 768 / 3072 in ANDREA-120M).
 
 Only MatMuls are quantized. The token embedding's Gather stays float32 (the quantizer's
 GatherBlockQuantized would make the embedding lookup dequantize, and the lookup reads one row per

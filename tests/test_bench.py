@@ -13,7 +13,8 @@ import math
 import numpy as np
 import pytest
 
-from andrea_export import bench, bench_report
+from andrea_export import bench
+from andrea_export.bench import report as bench_report
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 
 # ---------------------------------------------------------------- statistics

@@ -135,12 +135,15 @@ def test_interrupt_at_each_rename_leaves_the_old_or_the_new_build(old_build, tin
         no_leftovers(old_build)
         if finished and fault.calls < n:
             break
+    else:
+        pytest.fail("the build has more rename points than the loop interrupts: widen the range")
     assert seen == {0, NEW_SEED}, "the faults never hit both sides of the switch"
 
 
 def test_interrupted_verify_keeps_a_consistent_folder(old_build, monkeypatch):
     monkeypatch.setattr(pipeline, "_verify", lambda *a, **k: _canned_report(old_build))
     before = read_manifest(old_build)
+    interrupted = 0
     for n in range(1, 20):
         with monkeypatch.context() as m:
             fault = Interrupt(m, n)
@@ -149,10 +152,14 @@ def test_interrupted_verify_keeps_a_consistent_folder(old_build, monkeypatch):
                 finished = True
             except KeyboardInterrupt:
                 finished = False
+                interrupted += 1
         assert complete_build(old_build) == 0
         no_leftovers(old_build)
         if finished and fault.calls < n:
             break
+    else:
+        pytest.fail("verify has more rename points than the loop interrupts: widen the range")
+    assert interrupted, "no interrupt ever hit verify: the test checked nothing"
     after = read_manifest(old_build)
     assert after["verified_on"] and after["artifacts"]["onnx"] == before["artifacts"]["onnx"]
 
