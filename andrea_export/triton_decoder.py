@@ -76,7 +76,8 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
         raise PackageError(f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to "
                            "package its decoder. Pass allow_failed=True (--allow-failed) to package it anyway")
     trt_engine = "decoder_engine" in artifacts and _builder(manifest)[0] == "tensorrt"
-    stripped = bool(manifest.get("builder", {}).get("weights_stripped"))  # Triton's TensorRT backend does not refit
+    builder = manifest.get("builder")  # packaging validates only what it needs: may be absent or not an object
+    stripped = isinstance(builder, dict) and bool(builder.get("weights_stripped"))  # Triton's TRT backend does not refit
     if backend == "auto":
         backend = "tensorrt" if trt_engine and not stripped and kind == "gpu" else "onnxruntime"
     if backend == "tensorrt" and stripped:
