@@ -32,6 +32,9 @@ LAYOUT_VERSION = 1
 
 # Symbolic axis names, as written into the ONNX graph.
 BATCH, NEW, PAST, TOTAL = "batch", "new_tokens", "past_len", "past_len + new_tokens"
+# The in-place decoder's (inplace_decoder.py): the cache buffer's length; the mask's width (longest row).
+CAPACITY, WIDTH = "capacity", "total"
+CACHES = ("concat", "shared")  # a past copied into a longer present each step; one buffer updated in place
 
 
 def past_name(layer: int, kind: str) -> str:
@@ -61,6 +64,7 @@ class KVLayout:
     vocab_size: int
     n_positions: int
     cache_dtype: str = "float32"
+    cache: str = "concat"  # CACHES: "shared" is the in-place decoder (inplace_decoder.py)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, cache_dtype: str = "float32") -> KVLayout:
@@ -75,15 +79,21 @@ class KVLayout:
         return [present_name(i, k) for i in range(self.n_layer) for k in ("key", "value")]
 
     @property
+    def shared(self) -> bool:
+        """past and present are one buffer per layer and kind, updated in place (inplace_decoder.py)."""
+        return self.cache == "shared"
+
+    @property
     def inputs(self) -> list[TensorSpec]:
-        kv = (BATCH, self.n_head, PAST, self.head_dim)
-        return [TensorSpec(INPUT_IDS, "int64", (BATCH, NEW)), TensorSpec(ATTENTION_MASK, "int64", (BATCH, TOTAL))] + [
+        kv = (BATCH, self.n_head, CAPACITY if self.shared else PAST, self.head_dim)
+        mask = (BATCH, WIDTH if self.shared else TOTAL)
+        return [TensorSpec(INPUT_IDS, "int64", (BATCH, NEW)), TensorSpec(ATTENTION_MASK, "int64", mask)] + [
             TensorSpec(n, self.cache_dtype, kv) for n in self.past_names
         ]
 
     @property
     def outputs(self) -> list[TensorSpec]:
-        kv = (BATCH, self.n_head, TOTAL, self.head_dim)
+        kv = (BATCH, self.n_head, CAPACITY if self.shared else TOTAL, self.head_dim)
         return [TensorSpec(LOGITS, "float32", (BATCH, NEW, self.vocab_size))] + [
             TensorSpec(n, self.cache_dtype, kv) for n in self.present_names
         ]
@@ -94,6 +104,13 @@ class KVLayout:
         return dict(zip(self.present_names, self.past_names))
 
     def to_dict(self) -> dict:
+        if self.shared:  # written only for the in-place graph: a standard graph's record stays as it was
+            return {**self._to_dict(), "cache": self.cache,
+                    "attention_mask": "1 for each token a row holds (the new ones too), then 0 (pad on the right)",
+                    "feedback": "present.* is past_key_values.* itself: bind both to one buffer"}
+        return self._to_dict()
+
+    def _to_dict(self) -> dict:
         return {
             "version": LAYOUT_VERSION,
             "n_layer": self.n_layer,
@@ -114,9 +131,9 @@ class KVLayout:
         if not isinstance(data, dict) or data.get("version") != LAYOUT_VERSION:
             version = data.get("version") if isinstance(data, dict) else None
             raise ExportError(f"{source}: unsupported KV layout version {version!r} (this toolkit reads {LAYOUT_VERSION})")
-        fields = [f.name for f in dataclasses.fields(cls)]
+        fields = [f.name for f in dataclasses.fields(cls) if f.name != "cache"]
         try:
-            layout = cls(**{f: data[f] for f in fields})
+            layout = cls(**{f: data[f] for f in fields}, cache=data.get("cache", "concat"))
         except KeyError as e:
             raise ExportError(f"{source}: KV layout lacks the field {e.args[0]!r}") from None
         if layout.to_dict() != data:  # names/shapes recorded by another writer: refuse rather than guess

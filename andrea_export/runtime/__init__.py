@@ -42,11 +42,12 @@ def tokenizer_path(path: str | Path) -> Path | None:
     return candidate if path.is_dir() and candidate.is_file() else None
 
 
-def _resolve(path: Path) -> tuple[Path, Path | None]:
-    """(decoder ONNX, engine or None) for a build folder or a direct file path."""
+def _resolve(path: Path, backend: str) -> tuple[Path, Path | None]:
+    """(decoder ONNX, engine or None) for a build folder or a direct file path. A build folder gives ONNX
+    Runtime its in-place decoder where it has one (`backend` "onnxruntime")."""
     if path.is_dir():
         if (path / MANIFEST).is_file():  # a build folder: its manifest names the graphs (decoder.fp16.onnx, ...)
-            return _from_build(path)
+            return _from_build(path, backend)
         onnx_path = path / DECODER_FILE
         if not onnx_path.is_file():
             raise InputError(f"{path}: no KV-cache decoder graph in this folder (expected {DECODER_FILE} or a manifest.json)")
@@ -62,19 +63,23 @@ def _resolve(path: Path) -> tuple[Path, Path | None]:
     raise InputError(f"no such build folder or ONNX file: {path}")
 
 
-def _from_build(folder: Path) -> tuple[Path, Path | None]:
-    """A build folder's decoder graph and engine, after checking the manifest and that both files are
-    still the ones built (sha256): a changed file is refused, never run."""
+def _from_build(folder: Path, backend: str) -> tuple[Path, Path | None]:
+    """A build folder's decoder graph and engine, after checking the manifest and that the files the chosen
+    backend runs are still the ones built (sha256): a changed file is refused, never run."""
     from ..buildfolder import artifact, changed_artifacts, graph_weights, read_manifest
 
     m = read_manifest(folder, full=False, error=InputError)  # what decoding needs, each field checked
-    roles = [r for r in ("decoder_onnx", "decoder_engine", "decoder_engine_info") if r in m["artifacts"]]
+    roles = [r for r in ("decoder_onnx", "decoder_onnx_inplace", "decoder_engine", "decoder_engine_info")
+             if r in m["artifacts"]]
     if "decoder_onnx" not in roles:
         raise InputError(f"{folder}: this build has no KV-cache decoder graph (it was built with --no-decoder); "
                          "rebuild it with the decoder to generate from it")
+    if backend == "onnxruntime" and "decoder_onnx_inplace" in roles:  # the standard graph is not read then
+        roles = [r for r in roles if r != "decoder_onnx"]
     if changed := changed_artifacts(folder, {"artifacts": {r: m["artifacts"][r] for r in roles}}):
         raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
-    decoder = artifact(folder, m, "decoder_onnx")
+    decoder = artifact(folder, m, "decoder_onnx_inplace" if "decoder_onnx_inplace" in roles and backend == "onnxruntime"
+                       else "decoder_onnx")
     graph_weights(folder, m, decoder, InputError)  # the weights it points into are run too
     return decoder, artifact(folder, m, "decoder_engine") if "decoder_engine" in roles else None
 
@@ -97,10 +102,14 @@ def load(
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
-    onnx_path, engine = _resolve(Path(path))
-    cfg, layout = read_decoder(onnx_path)  # ExportError with a clear message for a graph without the KV layout
     if backend == "auto":
-        backend = "tensorrt" if engine is not None and installed("tensorrt") else "onnxruntime"
+        backend = "tensorrt" if _has_engine(Path(path)) and installed("tensorrt") else "onnxruntime"
+    if backend == "onnxruntime" and not _cpu_only(providers):
+        backend_graph = "onnxruntime-cuda"  # ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels
+    else:
+        backend_graph = backend
+    onnx_path, engine = _resolve(Path(path), backend_graph)
+    cfg, layout = read_decoder(onnx_path)  # ExportError with a clear message for a graph without the KV layout
     if backend == "tensorrt":
         if engine is None:
             raise InputError(
@@ -116,6 +125,25 @@ def load(
         sess = OrtSession(onnx_path, cfg, layout, providers=providers, intra_op_threads=intra_op_threads)
     sess.weights_source = weights_source(onnx_path)
     return sess
+
+
+def _has_engine(path: Path) -> bool:
+    """Whether `path` names or holds a decoder engine (what `auto` needs before choosing a graph)."""
+    if path.is_file():
+        return path.suffix in (".plan", ".engine")
+    if (path / MANIFEST).is_file():
+        from ..buildfolder import read_manifest
+
+        return "decoder_engine" in read_manifest(path, full=False, error=InputError)["artifacts"]
+    return (path / ENGINE_FILE).is_file()
+
+
+def _cpu_only(providers: list[str] | None) -> bool:
+    """Whether ONNX Runtime will run on the CPU provider only (the providers given, else what is installed)."""
+    import onnxruntime as ort
+
+    chosen = providers or [p for p in ort.get_available_providers() if p in ("CUDAExecutionProvider", "CPUExecutionProvider")]
+    return all(p == "CPUExecutionProvider" for p in chosen)
 
 
 def weights_source(onnx_path: Path) -> dict:

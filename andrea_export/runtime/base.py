@@ -134,8 +134,9 @@ class Session(abc.ABC):
         """Release device memory and handles (ONNX Runtime frees on garbage collection; TensorRT frees here)."""
 
     @abc.abstractmethod
-    def _steps(self) -> ContextManager[Steps]:
-        """A fresh cache for one call (held for the whole call)."""
+    def _steps(self, capacity: int | None = None) -> ContextManager[Steps]:
+        """A fresh cache for one call (held for the whole call), for at most `capacity` tokens per row
+        (None: the model's context); a backend that preallocates its cache sizes it by this."""
 
     # -- public API --------------------------------------------------------------------------------------
     def forward(self, ids: Sequence[int]) -> np.ndarray:
@@ -144,7 +145,7 @@ class Session(abc.ABC):
         if len(ids) > self.cfg.n_positions:
             raise InputError(f"input ({len(ids)} tokens) exceeds the model's context of {self.cfg.n_positions} tokens")
         row = np.asarray([ids], dtype=np.int64)
-        with self._steps() as steps:
+        with self._steps(len(ids)) as steps:
             return steps.prefill(row, np.ones_like(row))[0]
 
     def generate(
@@ -259,7 +260,7 @@ class Session(abc.ABC):
             ids[i, width - len(r.prompt):] = r.prompt
             mask[i, width - len(r.prompt):] = 1
         done = [False] * len(rows)
-        with self._steps() as steps:
+        with self._steps(width + max(r.max_new_tokens for r in rows) - 1) as steps:  # the last token is not fed back
             logits = steps.prefill(ids, mask)[:, -1]
             for step in range(max(r.max_new_tokens for r in rows)):
                 tokens = np.full(len(rows), PAD_ID, dtype=np.int64)  # a stopped row's input, never read back
@@ -303,7 +304,7 @@ class SerialSession(Session):
         """Append `token` to the cache; logits [vocab] float32 on the host."""
 
     @contextlib.contextmanager
-    def _steps(self) -> Iterator[Steps]:
+    def _steps(self, capacity: int | None = None) -> Iterator[Steps]:
         if self._holder == threading.get_ident():  # it would wait for itself
             raise InputError(f"{self.source}: this thread is already in a call of this session (an unfinished "
                              f"stream?); a {self.backend} session runs one call at a time")

@@ -5,6 +5,12 @@ asks ONNX Runtime to allocate the new `present.*` on the execution device: the c
 device between steps (host memory with the CPU provider, GPU memory with the CUDA provider). Only the
 token ids and the mask go in and the logits come out through host memory.
 
+With the in-place decoder (inplace_decoder.py, `layout.shared`) a call instead allocates one buffer per
+layer and kind, as long as the call needs (prompt + new tokens), and binds it as both `past_key_values.*`
+and `present.*` of every step: the graph writes each new token's keys and values into it where they
+belong and nothing is copied. That graph pads rows on the right; `_InplaceSteps` converts the base's
+left-padded rows.
+
 Threads: one OrtSession serves many threads in parallel. Every call keeps its own cache (`_OrtSteps`) and
 binds a fresh IOBinding per step; ONNX Runtime guarantees that `InferenceSession::Run` may be called from
 several threads at once on one session (the Python `run_with_iobinding` releases the GIL while it runs),
@@ -57,7 +63,9 @@ class OrtSession(Session):
         on_gpu = self.session.get_providers()[0] == "CUDAExecutionProvider"
         self.device = ("cuda", 0) if on_gpu else ("cpu", 0)
 
-    def _steps(self):
+    def _steps(self, capacity: int | None = None):
+        if self.layout.shared:
+            return contextlib.nullcontext(_InplaceSteps(self, capacity or self.layout.n_positions))
         return contextlib.nullcontext(_OrtSteps(self))
 
 
@@ -94,3 +102,53 @@ class _OrtSteps(Steps):
         outputs = binding.get_outputs()
         self.past = outputs[1:]
         return outputs[0].numpy()
+
+
+class _InplaceSteps(Steps):
+    """One call's cache for the in-place graph: a buffer [B, n_head, capacity, head_dim] per layer and kind,
+    bound as past and present of every step, and the number of tokens each row holds."""
+
+    def __init__(self, owner: OrtSession, capacity: int):
+        self.session, self.layout, self.device = owner.session, owner.layout, owner.device
+        self.capacity = min(capacity, self.layout.n_positions)
+        self.buffers: list = []
+        self.held = np.zeros(0, dtype=np.int64)
+
+    def prefill(self, ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        import onnxruntime as ort
+
+        B, T = ids.shape
+        self.held = mask.sum(axis=1).astype(np.int64)
+        if not np.array_equal(mask, np.arange(T)[None, :] >= T - self.held[:, None]):
+            raise ValueError("prefill: each row's mask must be 0s then 1s (left padding)")
+        if T > self.capacity:
+            raise ValueError(f"prefill: {T} tokens do not fit a cache of {self.capacity}")
+        shape = [B, self.layout.n_head, self.capacity, self.layout.head_dim]
+        dtype = np.dtype(self.layout.cache_dtype)
+        # Never read before written: attention reads only each row's filled part.
+        self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, *self.device) for _ in self.layout.past_names]
+        shift = T - self.held  # left -> right padding: each row's tokens move to its start
+        right = np.stack([np.roll(row, -k) for row, k in zip(ids, shift)])
+        logits = self._run(right, self.held)
+        return np.stack([np.roll(row, k, axis=0) for row, k in zip(logits, shift)])  # back to the caller's columns
+
+    def decode(self, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        held = self.held + 1
+        if held.max() > self.capacity:
+            raise ValueError(f"decode: the cache holds {self.capacity} tokens per row; this step needs {held.max()}")
+        logits = self._run(np.asarray(tokens, dtype=np.int64)[:, None], held)
+        self.held = held
+        return logits[:, -1]
+
+    def _run(self, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """`ids` [B, T] (right-padded), each row holding `held` tokens after this step -> logits [B, T, vocab]."""
+        mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, dtype=np.int64))
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        binding.bind_output(LOGITS, "cpu")  # first: get_outputs() lists outputs in binding order
+        for past, present, buffer in zip(self.layout.past_names, self.layout.present_names, self.buffers):
+            binding.bind_ortvalue_input(past, buffer)
+            binding.bind_ortvalue_output(present, buffer)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()

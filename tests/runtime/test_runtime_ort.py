@@ -60,8 +60,8 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session, pr
             super().__init__(session.cfg, session.layout, "nudged")
 
         @contextlib.contextmanager
-        def _steps(self):
-            with session._steps() as steps:
+        def _steps(self, capacity=None):
+            with session._steps(capacity) as steps:
                 yield NudgedSteps(steps)
 
     class NudgedSteps(runtime.Steps):

@@ -1,0 +1,137 @@
+"""The in-place KV-cache decoder, for ONNX Runtime: the cache is one preallocated buffer per layer and
+kind that every step updates where it lies, instead of a past that each step copies into a longer present.
+
+Why: the standard decoder (kvcache.py) concatenates the past and the new token into a new `present.*` at
+every step, so a decode step reads the whole cache twice and writes it once, and runs attention as
+separate MatMul/Softmax nodes. Here attention is ONNX Runtime's `com.microsoft.GroupQueryAttention`
+(with as many key/value heads as query heads: plain multi-head attention), whose `past_*` and `present_*`
+may be the same buffer: it writes the new tokens' keys and values at each row's own length and reads
+only the filled part. A decode step then moves the weights, the filled cache once and one new row.
+This is how onnxruntime-genai runs its models (`past_present_share_buffer`).
+
+    inputs   input_ids                 int64   [batch, new_tokens]
+             attention_mask            int64   [batch, total]   per row: 1 for each token it holds
+                                                                  (the new ones included), then 0s
+             past_key_values.{i}.key   float   [batch, n_head, capacity, head_dim]   the buffer
+             past_key_values.{i}.value float   [batch, n_head, capacity, head_dim]
+    outputs  logits                    float32 [batch, new_tokens, vocab_size]
+             present.{i}.key/.value    the same buffers (bind each to its past: same OrtValue)
+
+Rows are padded on the RIGHT (GroupQueryAttention's rule): a prompt step passes every prompt, shorter
+ones padded at the end (their padded positions compute garbage that nobody reads, and the next step
+overwrites their cache rows); a decode step passes one token per row, and the mask's row sum says how
+many tokens that row holds. Positions are derived from the mask like the standard graph's. The graph
+needs the contrib op, so it is for ONNX Runtime (CPU and CUDA providers) and onnxruntime-genai; TensorRT
+and Triton take the standard decoder.
+
+The graph is written here node by node from the model's weights (torch's exporter cannot emit a
+contrib op with several outputs); `verify.py` checks it against PyTorch like every other graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from .artifacts import staging
+from .errors import ExportError
+from .export import OPSET
+from .graphs import BATCH, CAPACITY, NEW, WIDTH, KVLayout, check_decoder_onnx
+from .names import ATTENTION_MASK, CONFIG_KEY, INPUT_IDS, KV_LAYOUT_KEY, LOGITS, WEIGHTS_KEY
+from .progress import step
+
+
+def inplace_layout(layout: KVLayout) -> KVLayout:
+    return dataclasses.replace(layout, cache="shared")
+
+
+def export_inplace_decoder(model, out: str | Path, *, quiet: bool = False) -> Path:
+    """Write `model` (an Andrea, float32) as the in-place decoder graph to `out` and check it; written in a
+    temporary folder and moved in when complete. Weights inline (external_data.py shares them later)."""
+    import onnx_ir as ir
+
+    from .graphs import kv_layout
+
+    cfg = model.cfg
+    layout = inplace_layout(kv_layout(cfg))
+    out = Path(out)
+    with step(f"Writing the in-place KV-cache decoder of {cfg.name}", quiet):
+        graph = _graph(model, layout)
+        ir_model = ir.Model(graph, ir_version=10, producer_name="andrea-export")
+        ir_model.metadata_props.update({
+            CONFIG_KEY: json.dumps(cfg.to_dict(), sort_keys=True),
+            WEIGHTS_KEY: json.dumps(getattr(model, "weights_source", {}), sort_keys=True),
+            KV_LAYOUT_KEY: json.dumps(layout.to_dict(), sort_keys=True),
+        })
+    with step(f"Writing and checking {out.name}", quiet), staging(out.parent) as tmp:
+        ir.save(ir_model, tmp / out.name)
+        check_decoder_onnx(tmp / out.name)
+    return out
+
+
+def _graph(model, layout: KVLayout):
+    import onnx_ir as ir
+
+    cfg = model.cfg
+    C, H, D = cfg.n_embd, cfg.n_head, cfg.head_dim
+    weights = {k: v.detach().float().cpu().numpy() for k, v in model.state_dict().items()}
+    tape = ir.tape.Tape()
+
+    def const(name: str, array) -> ir.Value:
+        return tape.initializer(ir.tensor(np.ascontiguousarray(array), name=name))
+
+    def linear(x, prefix: str):  # nn.Linear: weight [out, in], stored transposed for MatMul (as torch exports it)
+        w = const(f"{prefix}.weight", weights[f"{prefix}.weight"].T)
+        return tape.op("Add", [tape.op("MatMul", [x, w]), const(f"{prefix}.bias", weights[f"{prefix}.bias"])])
+
+    def layer_norm(x, prefix: str):
+        return tape.op("LayerNormalization", [x, const(f"{prefix}.weight", weights[f"{prefix}.weight"]),
+                                              const(f"{prefix}.bias", weights[f"{prefix}.bias"])],
+                       {"axis": -1, "epsilon": cfg.layer_norm_eps})
+
+    def int64(name: str, values) -> ir.Value:
+        return const(name, np.array(values, dtype=np.int64))
+
+    ids = ir.Value(name=INPUT_IDS, shape=ir.Shape([BATCH, NEW]), type=ir.TensorType(ir.DataType.INT64))
+    mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([BATCH, WIDTH]), type=ir.TensorType(ir.DataType.INT64))
+    kv_shape = ir.Shape([BATCH, H, CAPACITY, D])
+    past = [ir.Value(name=n, shape=kv_shape, type=ir.TensorType(ir.DataType.FLOAT)) for n in layout.past_names]
+
+    # What GroupQueryAttention needs from the mask: each row's last index (tokens held - 1) and the width.
+    one, axis1 = int64("one", [1]), int64("axis_1", [1])
+    held = tape.op("ReduceSum", [mask, axis1], {"keepdims": 0})
+    seqlens_k = tape.op("Cast", [tape.op("Sub", [held, one])], {"to": ir.DataType.INT32})
+    width = tape.op("Shape", [mask], {"start": 1, "end": 2})
+    total = tape.op("Cast", [tape.op("Squeeze", [width])], {"to": ir.DataType.INT32})
+    # Positions: a token's index among its row's real tokens (as kvcache.py), for the new tokens (last T columns).
+    positions = tape.op("Max", [tape.op("Sub", [tape.op("CumSum", [mask, int64("axis", 1)]), one]), int64("zero", 0)])
+    new = tape.op("Shape", [ids], {"start": 1, "end": 2})
+    positions = tape.op("Slice", [positions, tape.op("Neg", [new]), int64("end", [np.iinfo(np.int64).max]), axis1])
+
+    wte = const("wte.weight", weights["wte.weight"])
+    x = tape.op("Add", [tape.op("Gather", [wte, ids]), tape.op("Gather", [const("wpe.weight", weights["wpe.weight"]), positions])])
+    presents = []
+    split = int64("qkv_split", [C, C, C])
+    for i in range(cfg.n_layer):
+        p = f"h.{i}"
+        q, k, v = tape.op_multi_out("Split", [linear(layer_norm(x, f"{p}.ln_1"), f"{p}.attn.c_attn"), split],
+                                    {"axis": -1}, num_outputs=3)
+        attn, pk, pv = tape.op_multi_out(
+            "GroupQueryAttention", [q, k, v, past[2 * i], past[2 * i + 1], seqlens_k, total],
+            {"num_heads": H, "kv_num_heads": H, "scale": 1.0 / float(np.sqrt(D))}, num_outputs=3, domain="com.microsoft")
+        presents += [pk, pv]
+        x = tape.op("Add", [x, linear(attn, f"{p}.attn.c_proj")])
+        hidden = tape.op("Gelu", [linear(layer_norm(x, f"{p}.ln_2"), f"{p}.mlp.c_fc")], {"approximate": "tanh"})
+        x = tape.op("Add", [x, linear(hidden, f"{p}.mlp.c_proj")])
+    logits = tape.op("MatMul", [layer_norm(x, "ln_f"), tape.op("Transpose", [wte], {"perm": [1, 0]})])  # tied head
+
+    logits.name, logits.shape, logits.type = LOGITS, ir.Shape([BATCH, NEW, cfg.vocab_size]), ir.TensorType(ir.DataType.FLOAT)
+    for value, name in zip(presents, layout.present_names):
+        value.name, value.shape, value.type = name, kv_shape, ir.TensorType(ir.DataType.FLOAT)
+    if len({init.name for init in tape.initializers}) != len(tape.initializers):
+        raise ExportError("in-place decoder: two initializers share a name")  # a bug here, not in the input
+    return ir.Graph([ids, mask, *past], [logits, *presents], nodes=tape.nodes, initializers=tape.initializers,
+                    opset_imports={"": OPSET, "com.microsoft": 1}, name="andrea_inplace_decoder")
