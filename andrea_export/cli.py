@@ -228,6 +228,7 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
       model.plan            the engine; model.plan.json says what built it, for which GPUs
       model.layers.json     the engine's layer report, where the builder can produce one
       decoder.onnx          the KV-cache decoder graph; decoder.plan its engine (profiles: prefill, decode)
+      decoder.inplace.onnx  the decoder ONNX Runtime and onnxruntime-genai run: its cache written in place
       *.<int8|int4>.qdq.onnx int8/int4: the engines' graphs (Q/DQ), beside ONNX Runtime's MatMulNBits ones
       tokenizer.json        with --tokenizer; eval.txt with --eval-text (perplexity in verify.json)
       verify.json           Polygraphy's verdict per artifact and input shape, LM figures

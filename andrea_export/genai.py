@@ -9,14 +9,15 @@ src/config.h, src/models/model.cpp, kv_cache.cpp, position_inputs.cpp):
   `past_key_values.%d.key|value` -> `present.%d.key|value` as separate tensors, exactly our layout.
   "gpt2" would be wrong despite the architecture: genai's `Gpt_Model` expects one combined cache
   tensor per layer (`past_%d`, [2, batch, heads, past, head_dim]).
-- Inputs `input_ids`, `attention_mask` (int64, 1 = real token, left padding: what genai feeds). No
-  `position_ids`: genai feeds it only when the graph has that input (`HasInput`); our graph derives
-  positions from the mask.
-- `search.past_present_share_buffer` = false: with it, genai allocates the cache once at max_length and
-  expects the graph to write in place (GroupQueryAttention); our graph concatenates past + new, so
-  present is one token longer than past each step and must be fed back as a new tensor. Graph capture
-  (`enable_cuda_graph`) needs a shared buffer (kv_cache.cpp refuses otherwise), so provider options
-  written here turn it off.
+- Inputs `input_ids`, `attention_mask` (int64, 1 = real token). No `position_ids`: genai feeds it only
+  when the graph has that input (`HasInput`); our graphs derive positions from the mask.
+- `search.past_present_share_buffer` follows the graph. The in-place decoder (inplace_decoder.py, what
+  a build points genai at) writes its cache in place with GroupQueryAttention: true, and genai allocates
+  the cache once at max_length, as for its own models. A batch of prompts of different lengths is then
+  padded on the RIGHT (GroupQueryAttention's rule; left-padded rows decode wrongly). The standard decoder
+  concatenates past + new, so present is one token longer than past each step: false, left padding.
+  Graph capture (`enable_cuda_graph`) is turned off in the provider options written here: the build's
+  in-place graph is float32, for which ONNX Runtime's CUDA GroupQueryAttention has no kernels.
 - `eos/bos/pad_token_id`: genai requires an end token inside the vocabulary. A tokenizer, when the
   build has one, says which; without one the GPT-2 convention (the last id) is used (docs/deploying.md
   says so). A generation that produces it stops there, as in any genai model.
@@ -47,8 +48,9 @@ PROVIDERS = {
 def genai_config(decoder_onnx: str | Path, *, eos_token_id: int | list[int] | None = None,
                  bos_token_id: int | None = None, pad_token_id: int | None = None,
                  provider: str = "cpu") -> dict:
-    """The genai_config.json content for `decoder_onnx` (a graph made by kvcache.export_decoder_onnx,
-    in any precision), which must lie in the folder the config is written to.
+    """The genai_config.json content for `decoder_onnx` (a graph made by kvcache.export_decoder_onnx or
+    inplace_decoder.export_inplace_decoder, in any precision), which must lie in the folder the config
+    is written to.
 
     Args:
         eos_token_id: end token id(s); default: the tokenizer's, else the last id (GPT-2's convention).
@@ -105,7 +107,7 @@ def genai_config(decoder_onnx: str | Path, *, eos_token_id: int | list[int] | No
             "do_sample": False,
             "num_beams": 1,
             "num_return_sequences": 1,
-            "past_present_share_buffer": False,
+            "past_present_share_buffer": layout.shared,
             "temperature": 1.0,
             "top_k": 50,
             "top_p": 1.0,

@@ -348,7 +348,10 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
             artifacts["decoder_onnx_fp32"] = decoder.name
             decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
         artifacts["decoder_onnx"] = decoder.name
-        artifacts["genai_config"] = write_genai_config(decoder).name  # onnxruntime_genai.Model(build_dir) runs it
+        for_genai = decoder
+        if opts.precision != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
+            for_genai = _export_inplace_decoder(tmp, model, opts.precision, artifacts)
+        artifacts["genai_config"] = write_genai_config(for_genai).name  # onnxruntime_genai.Model(build_dir) runs it
         if weight_only:
             decoder = write_qdq(decoder, tmp / f"decoder.{opts.precision}.qdq.onnx")
             artifacts["decoder_onnx_qdq"] = decoder.name
@@ -356,6 +359,21 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
             artifacts["decoder_onnx_plugin"] = apply_gelu_plugin(
                 decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"), fuse_bias=opts.fuse_bias).path.name
     return plugin_report
+
+
+def _export_inplace_decoder(tmp: Path, model, precision: str, artifacts: dict) -> Path:
+    """The in-place decoder (inplace_decoder.py) in the build's precision: what ONNX Runtime and
+    onnxruntime-genai run. Its float32 source is not kept (the standard decoder's is, for the engines)."""
+    from .inplace_decoder import export_inplace_decoder
+    from .precision import convert_precision
+
+    with step("Writing the in-place KV-cache decoder (GroupQueryAttention, for ONNX Runtime)"):
+        graph = export_inplace_decoder(model, tmp / "decoder.inplace.onnx", quiet=True)
+        if precision != "fp32":
+            source, graph = graph, convert_precision(graph, tmp / f"decoder.{precision}.inplace.onnx", precision)
+            source.unlink()
+    artifacts["decoder_onnx_inplace"] = graph.name
+    return graph
 
 
 def _share_weights(tmp: Path, precision: str, artifacts: dict) -> None:
@@ -394,22 +412,33 @@ def _verify_decoder(folder: Path, model, precision: str, artifacts: dict, greedy
     and greedy decoding through the runtime (ONNX Runtime, KV cache) against PyTorch recomputing all."""
     import numpy as np
 
-    from .precision import TOLERANCES
-    from .runtime import load
-    from .runtime.agreement import greedy_agreement, verify_decoder
-
     cfg = model.cfg
     path = folder / artifacts["decoder_onnx"]
     rng = np.random.default_rng(seed)
     n = min(16, cfg.n_positions // 4)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
+    result = _verify_decoder_graph(model, path, precision, prompts, greedy_steps)
+    if "decoder_onnx_inplace" in artifacts:  # the graph ONNX Runtime and genai run: the same checks
+        with step("Verifying the in-place KV-cache decoder step by step"):
+            result["inplace"] = _verify_decoder_graph(model, folder / artifacts["decoder_onnx_inplace"], precision,
+                                                      prompts, greedy_steps)
+        result["passed"] = result["passed"] and result["inplace"]["passed"]
+    return result
+
+
+def _verify_decoder_graph(model, path: Path, precision: str, prompts, greedy_steps: int) -> dict:
+    from .precision import TOLERANCES
+    from .runtime import load
+    from .runtime.agreement import greedy_agreement, verify_decoder
+
     steps = verify_decoder(model, path, prompts, steps=8, **TOLERANCES[precision])
     result = {"artifact": path.name, "steps": steps, "passed": steps["passed"]}
     if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 kernels for a whole-session decode
         result["greedy"] = {"skipped": "bf16 decoding needs a GPU runtime (ONNX Runtime CPU has no bf16 kernels)"}
         return result
     if greedy_steps:
-        with step(f"Greedy decoding {greedy_steps} tokens with the KV cache (ONNX Runtime) and PyTorch"), load(path, "onnxruntime") as sess:
+        with step(f"Greedy decoding {greedy_steps} tokens with the KV cache (ONNX Runtime, {path.name}) and PyTorch"), \
+                load(path, "onnxruntime", providers=["CPUExecutionProvider"]) as sess:
             greedy = greedy_agreement(model, sess, prompts[0][:8], n_tokens=greedy_steps)
         greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
         result["greedy"] = greedy

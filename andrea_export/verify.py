@@ -297,8 +297,7 @@ def print_summary(report: VerifyReport) -> None:
         if g:
             where = "all tokens agree" if g["agree"] else f"first divergence at token {g['first_divergence']}"
             console.print(f"greedy {g['steps']} tokens, {c['artifact']}: {where}")
-    d = report.decoder
-    if d:
+    for d in filter(None, [report.decoder, (report.decoder or {}).get("inplace")]):  # standard, then in-place
         worst = max(s["max_abs_logits"] for s in d["steps"]["per_step"])
         console.print(f"KV-cache decoder {d['artifact']}: prefill + {d['steps']['steps']} decode steps vs PyTorch, "
                       f"max |logit diff| {worst:.2e}: ", styled("ok", "green") if d["steps"]["passed"]

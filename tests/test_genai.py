@@ -3,6 +3,7 @@ token for token, on the lively tiny model (whose output varies), fp32 and fp16."
 
 import json
 
+import numpy as np
 import pytest
 
 from andrea_export import runtime
@@ -32,14 +33,14 @@ def test_build_writes_genai_config_for_its_decoder(lively_build):
     assert manifest["artifacts"]["genai_config"]["path"] == GENAI_CONFIG
     conf = json.loads((lively_build / GENAI_CONFIG).read_text())
     dec = conf["model"]["decoder"]
-    assert dec["filename"] == manifest["artifacts"]["decoder_onnx"]["path"]
+    assert dec["filename"] == manifest["artifacts"]["decoder_onnx_inplace"]["path"]  # the in-place graph
     assert (conf["model"]["type"], conf["model"]["vocab_size"], conf["model"]["context_length"]) == ("decoder", 8449, 128)
     assert (dec["num_hidden_layers"], dec["num_attention_heads"], dec["head_size"], dec["hidden_size"]) == (2, 4, 16, 64)
     assert dec["inputs"] == {"input_ids": "input_ids", "attention_mask": "attention_mask",
                              "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"}
     assert dec["outputs"] == {"logits": "logits", "present_key_names": "present.%d.key",
                               "present_value_names": "present.%d.value"}
-    assert conf["search"]["past_present_share_buffer"] is False
+    assert conf["search"]["past_present_share_buffer"] is True  # GroupQueryAttention writes the cache in place
 
 
 def test_genai_greedy_equals_ours_from_the_build_folder(lively_build, lively_prompt):
@@ -59,6 +60,27 @@ def test_genai_greedy_equals_ours_fp16(lively_decoder, tmp_path, lively_prompt):
         ours = sess.generate(lively_prompt, N)
     assert len(set(ours)) > 10
     assert _genai_greedy(tmp_path, lively_prompt, N) == ours
+
+
+def test_genai_takes_a_ragged_batch_padded_on_the_right(lively_build, lively_prompt):
+    """The in-place graph's padding rule (GroupQueryAttention's): rows padded at the end with the pad id."""
+    prompts = [lively_prompt, lively_prompt[:3]]
+    with runtime.load(lively_build, "onnxruntime") as sess:
+        ours = sess.generate(prompts, 16)
+    model = og.Model(str(lively_build))
+    pad = json.loads((lively_build / GENAI_CONFIG).read_text())["model"]["pad_token_id"]
+    width = len(prompts[0])
+    batch = np.full((2, width), pad, dtype=np.int32)
+    for i, p in enumerate(prompts):
+        batch[i, :len(p)] = p
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=width + 16, do_sample=False, batch_size=2)
+    gen = og.Generator(model, params)
+    gen.append_tokens(batch)
+    while not gen.is_done():
+        gen.generate_next_token()
+    assert list(map(int, gen.get_sequence(0))) == prompts[0] + ours[0]
+    assert list(map(int, gen.get_sequence(1))) == prompts[1] + ours[1]  # genai drops the padding from the sequence
 
 
 def test_genai_config_options_are_checked(lively_decoder):

@@ -91,7 +91,7 @@ def verify_decoder(
 
     layout = read_kv_layout(onnx_path)  # the graph's; its cache may be fp16/bf16 (a lower-precision build)
     reference_layout = kv_layout(model.cfg)  # PyTorch's: float32
-    if dataclasses.replace(layout, cache_dtype=reference_layout.cache_dtype) != reference_layout:
+    if dataclasses.replace(layout, cache_dtype=reference_layout.cache_dtype, cache="concat") != reference_layout:
         raise ValueError(f"{onnx_path}: its KV layout {layout} is not that of the model ({model.cfg.name})")
     rows = [check_ids(p, layout.vocab_size) for p in prompts]
     width = max(len(r) for r in rows)
@@ -111,7 +111,10 @@ def verify_decoder(
         # and returns its cache in float32 holding bf16 values
         source, name = emulate_in_fp32(onnx.load(source)).SerializeToString(), name + " (bf16 emulated)"
         run_layout = dataclasses.replace(layout, cache_dtype="float32")
-    candidate = OnnxrtRunner(SessionFromOnnx(source, providers=providers), name=name)
+    if layout.shared:  # the in-place graph keeps its own cache: run it through the runtime's steps
+        candidate = _inplace_runner(onnx_path, providers, width + steps, name)
+    else:
+        candidate = OnnxrtRunner(SessionFromOnnx(source, providers=providers), name=name)
     outputs: dict[str, list] = {reference.name: [], candidate.name: []}
     per_step = []
     with G_LOGGER.verbosity(G_LOGGER.ERROR), reference, candidate:
@@ -124,12 +127,13 @@ def verify_decoder(
             for r in (reference, candidate):
                 out = r.infer({INPUT_IDS: new, ATTENTION_MASK: step_mask, **past[r.name]})
                 got[r.name] = out = {k: np.asarray(v) for k, v in out.items()}
-                outputs[r.name].append(out)
-                past[r.name] = {layout.feedback[k]: out[k] for k in layout.present_names}
-            ref_logits, cand_logits = got[reference.name][LOGITS], got[candidate.name][LOGITS]
+                past[r.name] = {reference_layout.feedback[k]: out[k] for k in layout.present_names}
+                outputs[r.name].append(_real_positions(out, step_mask, new.shape[1]) if layout.shared else out)
+            ref_logits = got[reference.name][LOGITS]
+            compared = outputs[reference.name][-1][LOGITS] - outputs[candidate.name][-1][LOGITS]
             per_step.append({
                 "step": s, "past_len": int(step_mask.shape[1] - new.shape[1]), "new_tokens": int(new.shape[1]),
-                "max_abs_logits": float(np.abs(ref_logits - cand_logits).max()),
+                "max_abs_logits": float(np.abs(compared).max()),
             })
             new = ref_logits[:, -1].argmax(-1).astype(np.int64)[:, None]
             step_mask = np.concatenate([step_mask, np.ones_like(new)], axis=1)
@@ -148,6 +152,66 @@ def verify_decoder(
     for entry, verdict in zip(per_step, result[(reference.name, candidate.name)]):
         entry["passed"] = all(bool(v) for v in verdict.values())
     return {"passed": bool(accuracy), "steps": steps, "tolerances": {"rtol": rtol, "atol": atol}, "per_step": per_step}
+
+
+def _real_positions(out: dict, mask: np.ndarray, new_tokens: int) -> dict:
+    """`out` with padded positions zeroed: what a padded position holds differs between a graph padded on
+    the left (the reference) and one padded on the right (the in-place graph), and nobody reads it."""
+    real = mask.astype(bool)
+    kept = {LOGITS: np.where(real[:, -new_tokens:, None], out[LOGITS], 0)}
+    for name, value in out.items():
+        if name != LOGITS:
+            kept[name] = np.where(real[:, None, :, None], value, 0).astype(value.dtype)
+    return kept
+
+
+def _inplace_runner(onnx_path, providers, capacity: int, name: str):
+    """A Polygraphy runner with the standard decoder's I/O around the in-place graph: it keeps its cache in
+    the runtime's buffers (the `past_*` fed to it are not read) and returns `present.*` in the standard
+    layout (each row's tokens last, left-padded) for the comparison."""
+    from polygraphy.backend.base import BaseRunner
+
+    from .ort import OrtSession
+
+    class InplaceRunner(BaseRunner):
+        def activate_impl(self):
+            from ..graphs import read_decoder
+
+            cfg, layout = read_decoder(onnx_path)
+            self.session = OrtSession(onnx_path, cfg, layout, providers=providers)
+            self.steps = None
+
+        def deactivate_impl(self):
+            self.session = self.steps = None
+
+        def get_input_metadata_impl(self):  # the standard decoder's inputs, in this graph's cache dtype
+            from polygraphy.common import TensorMetadata
+
+            meta = TensorMetadata()
+            for t in dataclasses.replace(self.session.layout, cache="concat").inputs:
+                meta.add(t.name, _np_dtype(t.dtype), tuple(d if isinstance(d, int) else None for d in t.shape))
+            return meta
+
+        def infer_impl(self, feed_dict):
+            t0 = time.perf_counter()
+            ids, mask = feed_dict[INPUT_IDS], feed_dict[ATTENTION_MASK]
+            if self.steps is None:
+                self.steps = self.session._steps(capacity).__enter__()
+                logits = self.steps.prefill(ids, mask)
+            else:
+                logits = self.steps.decode(ids[:, -1], mask)[:, None]
+            width = mask.shape[1]
+            out = OrderedDict([(LOGITS, logits)])
+            for name, buffer in zip(self.session.layout.present_names, self.steps.buffers):
+                held = buffer.numpy()
+                present = np.zeros(held.shape[:2] + (width,) + held.shape[3:], dtype=held.dtype)
+                for b, n in enumerate(self.steps.held):  # row b holds its n tokens at 0..n-1
+                    present[b, :, width - n:] = held[b, :, :n]
+                out[name] = present
+            self.inference_time = time.perf_counter() - t0
+            return out
+
+    return InplaceRunner(name=name)
 
 
 def greedy_agreement(
