@@ -127,6 +127,10 @@ class _InplaceSteps(Steps):
         dtype = np.dtype(self.layout.cache_dtype)
         # Never read before written: attention reads only each row's filled part.
         self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, *self.device) for _ in self.layout.past_names]
+        self.binding = self.session.io_binding()  # this call's own; the buffers stay bound for all its steps
+        for past, present, buffer in zip(self.layout.past_names, self.layout.present_names, self.buffers):
+            self.binding.bind_ortvalue_input(past, buffer)
+            self.binding.bind_ortvalue_output(present, buffer)
         shift = T - self.held  # left -> right padding: each row's tokens move to its start
         right = np.stack([np.roll(row, -k) for row, k in zip(ids, shift)])
         logits = self._run(right, self.held)
@@ -142,13 +146,11 @@ class _InplaceSteps(Steps):
 
     def _run(self, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
         """`ids` [B, T] (right-padded), each row holding `held` tokens after this step -> logits [B, T, vocab]."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
         mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
-        binding = self.session.io_binding()
-        binding.bind_cpu_input(INPUT_IDS, np.ascontiguousarray(ids, dtype=np.int64))
-        binding.bind_cpu_input(ATTENTION_MASK, mask)
-        binding.bind_output(LOGITS, "cpu")  # first: get_outputs() lists outputs in binding order
-        for past, present, buffer in zip(self.layout.past_names, self.layout.present_names, self.buffers):
-            binding.bind_ortvalue_input(past, buffer)
-            binding.bind_ortvalue_output(present, buffer)
-        self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+        logits = np.empty((*ids.shape, self.layout.vocab_size), dtype=np.float32)  # ONNX Runtime writes here
+        self.binding.bind_cpu_input(INPUT_IDS, ids)  # rebinding a name replaces its previous array
+        self.binding.bind_cpu_input(ATTENTION_MASK, mask)
+        self.binding.bind_output(LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+        self.session.run_with_iobinding(self.binding)
+        return logits
