@@ -356,7 +356,7 @@ class TrtSession(SerialSession):
         self._sync()
         return out.astype(np.float32)  # a copy, float32 whatever the engine's logits type
 
-    def close(self) -> None:
+    def _release(self) -> None:  # SerialSession.close: under the session lock, once
         rt = self.cudart
         if self._graph_exec is not None:
             rt.cudaGraphExecDestroy(self._graph_exec)

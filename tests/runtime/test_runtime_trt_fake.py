@@ -350,3 +350,31 @@ def test_threads_and_batches_take_turns(device, graphs, references, tmp_path):
             assert list(pool.map(lambda i: sess.generate(prompts[i], 12, strategy="top-k", seed=i), range(4))) == alone
         assert sess.generate(prompts, 12, strategy="top-k", seed=list(range(4))) == alone
     _closed_clean(device)
+
+
+def test_close_waits_for_a_running_call_and_a_call_after_close_is_refused(device, graphs, expected, tmp_path):
+    """close() from another thread while a call holds the session (an unfinished stream) waits for that call
+    instead of freeing its buffers under it; the call finishes with the right tokens; a call after close (and a
+    close from inside the thread's own unfinished call) gets a one-line InputError, and nothing leaks."""
+    import threading
+
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs["fp32"]), backend="tensorrt")
+    prompt = _prompt(5)
+    events = sess.stream(prompt, 12)
+    got = [next(events)[0]]  # the call now holds the session
+    with pytest.raises(runtime.InputError, match="already in a call"):
+        sess.close()  # from the same thread it would wait for itself
+    closer = threading.Thread(target=sess.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() returned while a call was running (it freed the call's buffers)"
+    got += [token for token, _ in events]
+    closer.join(30)
+    assert not closer.is_alive()
+    assert got == expected("fp32", 5)[1][:12]
+    _closed_clean(device)
+    for call in (lambda: sess.generate(prompt, 3), lambda: sess.forward(prompt), lambda: next(sess.stream(prompt, 3))):
+        with pytest.raises(runtime.InputError, match="closed"):
+            call()
+    sess.close()  # a second close does nothing
+    _closed_clean(device)
