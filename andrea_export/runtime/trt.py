@@ -10,8 +10,9 @@ One execution context per profile, each keeping its own profile selected.
 
 Threads: a TrtSession keeps its one cache in the session (the buffers above, the execution contexts, the
 captured CUDA graph, all on one stream), so it is a `SerialSession`: calls from several threads take turns
-under a lock, one sequence at a time (a batch of prompts runs one prompt after another). For parallel
-requests on one GPU, load one session per worker.
+under a lock, one sequence at a time (a batch of prompts runs one prompt after another); close() takes the
+same lock, so it waits for a running call before it frees the buffers. For parallel requests on one GPU,
+load one session per worker.
 
 Decode has two modes:
 
