@@ -47,6 +47,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+from trt_enums import DataType  # tests/: shared with plugin/trt_standin.py
 
 
 class cudaError_t(enum.IntEnum):  # the values of CUDA's driver_types.h
@@ -397,21 +398,6 @@ class FakeCudart:
 # ---------------------------------------------------------------------------------------------------------
 # TensorRT
 # ---------------------------------------------------------------------------------------------------------
-
-class DataType(enum.IntEnum):  # names and values of tensorrt.DataType (10.x / 11.x and TensorRT-RTX)
-    FLOAT = 0
-    HALF = 1
-    INT8 = 2
-    INT32 = 3
-    BOOL = 4
-    UINT8 = 5
-    FP8 = 6
-    BF16 = 7
-    INT64 = 8
-    INT4 = 9
-    FP4 = 10
-    E8M0 = 11
-
 
 class TensorIOMode(enum.IntEnum):
     NONE = 0

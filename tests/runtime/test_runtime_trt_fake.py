@@ -354,9 +354,8 @@ def test_fake_tensorrt_reports_the_graphs_dtypes_and_faults_out_of_bounds(graphs
     assert "tensor 'logits'" in rt.fault and "past the end" in rt.fault
 
 
-def test_fake_datatype_is_tensorrts():
+def test_the_runtimes_dtype_map_on_tensorrts_datatype():  # the stand-ins' DataType: tests/test_trt_enums.py
     trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) has the real DataType enum")
-    assert {k: int(v) for k, v in trt.DataType.__members__.items()} == {d.name: d.value for d in DataType}
     from andrea_export.runtime.trt import _numpy_dtypes
 
     assert {d.name: t.name for d, t in _numpy_dtypes(trt).items()} == {  # the runtime's map, on the real enum
