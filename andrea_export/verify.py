@@ -127,6 +127,18 @@ class VerifyReport:
         return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
 
 
+def lm_thresholds(precision: str) -> dict:
+    """The next-token thresholds of `precision` (precision.py: MIN_TOP1, MAX_KL)."""
+    from .precision import MAX_KL, MIN_TOP1
+
+    return {"min_top1": MIN_TOP1[precision], "max_kl": MAX_KL[precision]}
+
+
+def lm_passed(lm: dict, thresholds: dict) -> bool:
+    """Whether `lm` (lm_metrics) meets `thresholds` (lm_thresholds)."""
+    return lm["top1_agreement"] >= thresholds["min_top1"] and lm["max_kl"] <= thresholds["max_kl"]
+
+
 def lm_metrics(ref: np.ndarray, out: np.ndarray) -> dict:
     """Top-1 / top-5 agreement and KL(ref || out) of next-token distributions over all positions."""
     ref = torch.from_numpy(ref.astype(np.float64)).flatten(0, -2)
@@ -188,12 +200,12 @@ def verify(
     from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
-    from .precision import MAX_KL, MAX_PPL_REL, MIN_TOP1, TOLERANCES
+    from .precision import MAX_PPL_REL, TOLERANCES
 
     cfg = model.cfg
     check_inputs(cfg, shapes, greedy_steps)
     shapes = shapes or default_shapes(cfg.n_positions)
-    tol, lm_tol = TOLERANCES[precision], {"min_top1": MIN_TOP1[precision], "max_kl": MAX_KL[precision]}
+    tol, lm_tol = TOLERANCES[precision], lm_thresholds(precision)
     runners = [TorchRunner(model)]
     for name, a in artifacts.items():
         runners.append(onnxrt_runner(a, name=name) if isinstance(a, (str, Path)) else a)
@@ -234,7 +246,7 @@ def verify(
         for it, shape in enumerate(shapes):
             ocr = accuracy[(ref_name, name)][it][OUTPUT_NAME]
             lm = lm_metrics(results[ref_name][it][OUTPUT_NAME], results[name][it][OUTPUT_NAME])
-            lm_ok = lm["top1_agreement"] >= lm_tol["min_top1"] and lm["max_kl"] <= lm_tol["max_kl"]
+            lm_ok = lm_passed(lm, lm_tol)
             per_shape.append({
                 "shape": list(shape), "passed": bool(ocr) and lm_ok, "logits_within_tolerance": bool(ocr),
                 "max_abs": float(ocr.max_absdiff), "mean_abs": float(ocr.mean_absdiff),
