@@ -23,6 +23,7 @@ from andrea_export.export import read_config
 from andrea_export.kvcache import optimization_profiles, read_kv_layout
 from andrea_export.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
 from andrea_export.runtime.ort import OrtSession
+from andrea_export.runtime.trt import CudaError
 
 N = ANDREA_TINY.n_positions
 LENGTHS = [1, 64, N - 1, N]  # one token, a middle prompt, the longest that still decodes, the full context
@@ -455,3 +456,28 @@ def test_close_waits_for_a_running_call_and_a_call_after_close_is_refused(device
             call()
     sess.close()  # a second close does nothing
     _closed_clean(device)
+
+
+def test_a_session_that_fails_to_load_frees_what_it_took(device, graphs, tmp_path):
+    """An engine refused after the stream (and buffers) exist: the InputError leaves nothing allocated."""
+    from andrea_export.runtime.trt import TrtSession
+
+    layout = read_kv_layout(graphs["fp32"])
+    plan = write_plan(tmp_path / "decoder.plan", graphs["fp32"], optimization_profiles(layout)[:1])  # no decode profile
+    with pytest.raises(runtime.InputError, match="optimization profile"):
+        TrtSession(plan, read_config(graphs["fp32"]), layout)
+    _closed_clean(device)
+
+
+def test_a_replay_after_its_buffers_are_freed_faults(device, graphs, tmp_path):
+    """The captured decode step keeps its tensor addresses: freed under it, the replay's enqueue faults and the
+    step reports the device error (it does not read or write freed memory)."""
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs["fp32"]), backend="tensorrt")
+    assert sess.cuda_graph_active
+    sess.forward(_prompt(4))
+    device.cudaFree(sess._present[0])
+    sess._buffers.remove(sess._present[0])
+    with pytest.raises(CudaError):  # the copy after the launch, or the synchronize, reports it
+        sess._decode(1)
+    assert device.sticky == cudaError_t.cudaErrorIllegalAddress
+    assert "tensor 'present.0.key'" in device.fault
