@@ -24,10 +24,12 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 def inside(folder: str | Path, name: object, what: str, error: type[Exception] = BuildError, *,
-           flat: bool = False, kind: str = "build folder") -> Path:
+           flat: bool = False, kind: str = "build folder", within: str | Path | None = None) -> Path:
     """`folder / name`, when `name` (read from an untrusted file) is a relative path that stays inside
     `folder` once symlinks are resolved, and with `flat` names a file directly in it; else `error`
-    naming `what` (where the path was read) and the `kind` of folder. Never touches the file."""
+    naming `what` (where the path was read) and the `kind` of folder. `within`: a folder containing
+    `folder` inside which the resolved path may lie instead (anywhere in it, `flat` or not; `name` itself
+    stays a name in `folder`). Never touches the file."""
     folder = Path(folder)
     if not isinstance(name, str) or not name or "\x00" in name:
         raise error(f"{what}: {name!r} is not a file name")
@@ -39,6 +41,8 @@ def inside(folder: str | Path, name: object, what: str, error: type[Exception] =
         resolved, root = full.resolve(), folder.resolve()
     except (OSError, RuntimeError) as e:  # a symlink loop
         raise error(f"{what}: cannot resolve {name!r} ({e})") from None
+    if within is not None:
+        root, flat = Path(within).resolve(), False
     if root not in resolved.parents or (flat and resolved.parent != root):
         raise error(f"{what}: {name!r} resolves to {resolved}, outside the {kind} {folder}; refused")
     return full

@@ -9,8 +9,9 @@ The layout is told by the fused QKV weight: [3C, C] is ours, [C, 3C] is Conv1D (
 
 Where the weights are (`resolve_checkpoint`): a file, or a Hugging Face `save_pretrained` folder
 (`model.safetensors`, or shards listed in `model.safetensors.index.json`). A `config.json` in the folder,
-or beside a bare file, is read by hf.read_hf_config (not guessed from shapes). Every path an index names
-must stay inside the folder: the folder is untrusted input.
+or beside a bare file, is read by hf.read_hf_config (not guessed from shapes). The folder is untrusted
+input: every file read from it (`_checkpoint_file`: the index, each shard it names, model.safetensors,
+config.json) is a plain name in it that resolves inside it, or inside its hub-cache repo folder.
 
 Files are never unpickled: `.safetensors` is read with safetensors; `.pt/.bin` only with
 `torch.load(weights_only=True)`.
@@ -99,21 +100,40 @@ def resolve_checkpoint(path: Path) -> tuple[list[Path], Path | None]:
     """(weight files, GPT-2 config.json or None) for a checkpoint file or a save_pretrained folder."""
     if path.is_dir():
         if (path / INDEX).is_file():
-            files = _shards(path, path / INDEX)
+            files = _shards(path, _checkpoint_file(path, INDEX, str(path)))
         elif (path / "model.safetensors").is_file():
-            files = [path / "model.safetensors"]
+            files = [_checkpoint_file(path, "model.safetensors", str(path))]
         else:
             raise CheckpointError(f"{path}: a checkpoint folder needs model.safetensors or {INDEX} "
                                   "(a Hugging Face save_pretrained folder)")
         if not (path / "config.json").is_file():
             raise CheckpointError(f"{path}: no config.json in the checkpoint folder (save_pretrained writes one)")
-        return files, path / "config.json"
+        return files, _checkpoint_file(path, "config.json", str(path))
     if not path.is_file():
         raise CheckpointError(f"{path}: no such checkpoint file or folder")
     beside = path.parent / "config.json"
     if path.suffix != ".safetensors" or not beside.is_file() or CONFIG_KEY in _read_metadata(path):
         return [path], None  # a project checkpoint carries its own config; a config.json beside it is not read
-    return [path], beside
+    return [path], _checkpoint_file(path.parent, "config.json", str(path.parent))  # read unasked: same rule
+
+
+def _checkpoint_file(folder: Path, name: str, what: str) -> Path:
+    """`folder / name`, a file of a checkpoint folder (untrusted): a plain name (no '..', no sub-folder, not
+    absolute) that resolves inside the folder, or, when the folder is a snapshot of the Hugging Face hub
+    cache, inside that repo's folder; else CheckpointError. The one rule for every file read from a
+    checkpoint folder.
+
+    The hub cache is how most people hold a downloaded checkpoint: models--org--name/ holds blobs/ (the
+    files, named by hash), refs/ and snapshots/<revision>/, whose files are symlinks to ../../blobs/<hash>.
+    Those links leave the snapshot folder but not the repo folder, which is what the user pointed at (one
+    level up from a revision they chose); a link that resolves outside the repo folder is refused like any
+    other. A folder passes for a snapshot only by that shape: its parent is `snapshots` and its
+    grandparent has `blobs/`."""
+    snapshot = folder.resolve()
+    repo = snapshot.parent.parent
+    hub = snapshot.parent.name == "snapshots" and (repo / "blobs").is_dir()
+    return inside(folder, name, what, CheckpointError, flat=True, kind="checkpoint folder",
+                  within=repo if hub else None)
 
 
 def _read_metadata(path: Path) -> dict[str, str]:
@@ -138,8 +158,7 @@ def _shards(folder: Path, index: Path) -> list[Path]:
     for name in dict.fromkeys(weight_map.values()):
         if not isinstance(name, str) or not name.endswith(".safetensors"):
             raise CheckpointError(f"{index}: shard {name!r} is not a .safetensors file name")
-        # no '..', no absolute path, no sub-folder, no symlink pointing out
-        f = inside(folder, name, f"{index}: shard", CheckpointError, flat=True, kind="checkpoint folder").resolve()
+        f = _checkpoint_file(folder, name, f"{index}: shard")
         if not f.is_file():
             raise CheckpointError(f"{index}: shard {name!r} is missing from {folder}")
         files.append(f)

@@ -69,23 +69,27 @@ class ModelConfig:
             raise ConfigError(f"{source}: {e}") from None
 
 
-# A model name becomes a folder name (out/<name>-<precision>) and a Triton model name, and it is read
-# from files anyone can write (config JSON, checkpoint and ONNX metadata): one path component, no more.
-NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+# A model name becomes a folder name (out/<name>-<precision>) and part of a Triton model name, itself a
+# folder name; both are read from files anyone can write (config JSON, checkpoint and ONNX metadata, a
+# manifest): one path component, no more, not hidden, not an option. One rule for both, so a name that
+# builds also packages. 128 characters leave room in a 255-byte folder name for a precision, a suffix
+# and a staging folder's prefix and suffix.
+MAX_NAME = 128
+NAME_RE = re.compile(rf"[A-Za-z0-9][A-Za-z0-9_.-]{{0,{MAX_NAME - 1}}}")
 
 
-def check_name(name) -> str:
-    """`name` when it is a safe model name (letters, digits, '_', '-', '.'; starts with a letter or digit;
-    at most 64 characters), else ConfigError."""
+def check_name(name, what: str = "model config: field 'name'", error: type[Exception] = ConfigError) -> str:
+    """`name` when it is a safe name (letters, digits, '_', '-', '.'; starts with a letter or digit; at most
+    MAX_NAME characters), else `error` saying what `what` must be."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
-        raise ConfigError(f"model config: field 'name' must be 1-64 letters, digits, '_', '-' or '.', starting with "
-                          f"a letter or digit (it names the output folder), got {name!r:.80}")
+        raise error(f"{what} must be 1-{MAX_NAME} letters, digits, '_', '-' or '.', starting with a letter or digit "
+                    f"(it names a folder), got {name!r:.80}")
     return name
 
 
 def safe_name(text: str) -> str:
     """A model name made from free text (a checkpoint's file name): unsafe characters become '-'."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-._")[:64]
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-._")[:64]  # short: a folder name, with room to spare
     return name if NAME_RE.fullmatch(name) else "model"
 
 

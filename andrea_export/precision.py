@@ -100,7 +100,15 @@ TOLERANCES = {
     "int4": dict(rtol=2e-1, atol=5.0),
 }
 # Least share of positions whose top-1 token must agree with the reference (same measurements).
-MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.95, "int4": 0.0}
+# int4 has no top-1 floor: on random ids its top-1 flips at a quarter to a third of positions, and
+# verify's one-token shape is then 0 or 1 (measured 0: the floor used to be 0, which gated nothing).
+MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.95}
+# Least top-5 overlap (the share of the reference's 5 likeliest tokens among the artifact's), for int4
+# in place of top-1. Trained andrea-tiny, verify's default shapes and seed, ONNX Runtime CPU: int4
+# 0.844 .. 1.0 (text 0.941); broken int4 graphs: nibbles swapped 0.05 .. 0.11 (0.40 on one token),
+# one layer's nibbles swapped 0.53 .. 0.63, scales doubled 0.48 .. 0.78. 0.6 lets int4 miss 2.5x the
+# share it misses and fails the first two at every shape of more than one token (KL fails them too).
+MIN_TOP5 = {"int4": 0.6}
 # Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
 # trained models' worst above times >= 7 (random weights: fp32 3e-13, fp16 3e-9, bf16 7e-7). A wrong
 # kernel gives 1e-1 and up.

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -57,6 +56,7 @@ from . import __version__
 from .artifacts import locked_folder, sha256_file, swap_folders
 from .buildfolder import MANIFEST, graph_weights
 from .buildfolder import read_manifest as _read_manifest
+from .config import check_name
 from .errors import AndreaExportError, require
 from .progress import warn
 
@@ -67,8 +67,6 @@ PROVENANCE = "andrea-build.json"  # copy of the build's manifest inside the mode
 DEFAULT_ONNX_MAX_BATCH = 8  # ONNX Runtime has no profile limit; used when the manifest has no profiles
 PLATFORM = {"tensorrt": "tensorrt_plan", "onnxruntime": "onnxruntime_onnx"}
 ROLE = {"tensorrt": "engine", "onnxruntime": "onnx"}
-_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
-MAX_NAME = 128  # a folder name (at most 255 bytes) plus the staging folder's prefix and suffix
 
 # ONNX tensor type -> Triton DataType enum name (model_config.proto)
 _TRITON_TYPE: dict[int, str] = {
@@ -84,6 +82,9 @@ _TRITON_TYPE: dict[int, str] = {
 }
 
 
+TRITON_NAME = "a Triton model name"
+
+
 class PackageError(AndreaExportError):
     """A build folder cannot be packaged as asked; the message says why and what to do."""
 
@@ -91,19 +92,6 @@ class PackageError(AndreaExportError):
 def model_config_pb2():
     """Triton's model configuration protobuf module (from tritonclient[grpc])."""
     return require("tritonclient.grpc.model_config_pb2", "triton", "Writing a Triton model configuration")
-
-
-def check_name(name: str) -> str:
-    """A Triton model name is a folder name: a safe charset and a bounded length, or PackageError."""
-    if len(name) > MAX_NAME:
-        raise PackageError(f"the model name is {len(name)} characters long; Triton model names (folder names) "
-                           f"may have at most {MAX_NAME} here")
-    if not _NAME_RE.fullmatch(name):
-        raise PackageError(
-            f"'{name}' is not a usable Triton model name: use letters, digits, '_', '-' and '.', "
-            "not starting with '.' or '-'"
-        )
-    return name
 
 
 def _reading_build(fn):
@@ -214,7 +202,7 @@ def write_triton_repo(
     precision = manifest.get("precision", "fp32")
     model_name = manifest["model"].get("name", "andrea")
     name = name or f"{model_name}-{precision}-{'trt' if backend == 'tensorrt' else 'onnx'}"
-    check_name(name)
+    check_name(name, TRITON_NAME, PackageError)  # a folder name: the model names' rule
 
     cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=max_batch_size)
     batch_dims = 1 if max_batch_size > 0 else 0

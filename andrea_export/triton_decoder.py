@@ -42,8 +42,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from . import __version__
-from .triton import (MANIFEST, PLATFORM, PackageError, _artifact_file, _builder, _onnx_io, _triton_type,
-                     _reading_build, _write_model_dir, check_name, config_text, model_config_pb2, read_manifest)
+from .config import check_name
+from .triton import (MANIFEST, PLATFORM, TRITON_NAME, PackageError, _artifact_file, _builder, _onnx_io, _triton_type,
+                     _reading_build, _write_model_dir, config_text, model_config_pb2, read_manifest)
 
 DEFAULT_IDLE_US = 60_000_000  # a sequence idle for a minute is ended and its cache slot freed
 
@@ -110,7 +111,7 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
     """The ModelConfig message for the decoder graph `graph` (names, types and dims read from it)."""
     from .kvcache import check_decoder_onnx
 
-    check_name(name)
+    check_name(name, TRITON_NAME, PackageError)
     layout = check_decoder_onnx(graph)  # the graph's I/O is the recorded layout: names, order, ranks
     inputs, outputs = _onnx_io(graph)
     cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=1)

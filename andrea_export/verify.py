@@ -24,7 +24,7 @@ from .export import INPUT_NAME, OUTPUT_NAME
 from .model import Andrea
 from .progress import console, step, styled
 
-# Tolerances per precision live in precision.py (TOLERANCES, MIN_TOP1, MAX_KL), with the measurements
+# Tolerances per precision live in precision.py (TOLERANCES, MIN_TOP1, MIN_TOP5, MAX_KL), with the measurements
 # behind them. An element of the logits fails only if BOTH its absolute and relative error exceed the
 # tolerances (Polygraphy's rule; relative error is taken against the reference).
 
@@ -109,7 +109,7 @@ class VerifyReport:
     passed: bool
     precision: str
     tolerances: dict
-    lm_thresholds: dict  # min_top1, max_kl
+    lm_thresholds: dict  # max_kl, and min_top1 or (int4) min_top5
     shapes: list
     comparisons: list  # one dict per (reference, artifact) pair
     skipped: list  # artifacts that could not run here, with the reason
@@ -125,6 +125,20 @@ class VerifyReport:
 
     def save(self, path: str | Path) -> Path:
         return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+
+def lm_thresholds(precision: str) -> dict:
+    """The next-token thresholds of `precision` (precision.py): max_kl, and min_top1 or (int4) min_top5."""
+    from .precision import MAX_KL, MIN_TOP1, MIN_TOP5
+
+    floor = {"min_top1": MIN_TOP1[precision]} if precision in MIN_TOP1 else {"min_top5": MIN_TOP5[precision]}
+    return {**floor, "max_kl": MAX_KL[precision]}
+
+
+def lm_passed(lm: dict, thresholds: dict) -> bool:
+    """Whether `lm` (lm_metrics) meets `thresholds` (lm_thresholds)."""
+    return (lm["top1_agreement"] >= thresholds.get("min_top1", 0.0)
+            and lm["top5_overlap"] >= thresholds.get("min_top5", 0.0) and lm["max_kl"] <= thresholds["max_kl"])
 
 
 def lm_metrics(ref: np.ndarray, out: np.ndarray) -> dict:
@@ -176,7 +190,7 @@ def verify(
     Args:
         model: the reference model.
         artifacts: name -> Polygraphy runner, or a path to an ONNX file (run with ONNX Runtime).
-        precision: selects the tolerances (precision.TOLERANCES, MIN_TOP1, MAX_KL).
+        precision: selects the tolerances (precision.TOLERANCES, MIN_TOP1 / MIN_TOP5, MAX_KL).
         shapes: (batch, seq) pairs; default `default_shapes(context)`.
         greedy_steps: greedy tokens decoded per artifact (0 to skip).
         skipped: artifacts that cannot run here, as {"artifact", "reason"} dicts, carried into the report.
@@ -188,12 +202,12 @@ def verify(
     from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
-    from .precision import MAX_KL, MAX_PPL_REL, MIN_TOP1, TOLERANCES
+    from .precision import MAX_PPL_REL, TOLERANCES
 
     cfg = model.cfg
     check_inputs(cfg, shapes, greedy_steps)
     shapes = shapes or default_shapes(cfg.n_positions)
-    tol, lm_tol = TOLERANCES[precision], {"min_top1": MIN_TOP1[precision], "max_kl": MAX_KL[precision]}
+    tol, lm_tol = TOLERANCES[precision], lm_thresholds(precision)
     runners = [TorchRunner(model)]
     for name, a in artifacts.items():
         runners.append(onnxrt_runner(a, name=name) if isinstance(a, (str, Path)) else a)
@@ -234,7 +248,7 @@ def verify(
         for it, shape in enumerate(shapes):
             ocr = accuracy[(ref_name, name)][it][OUTPUT_NAME]
             lm = lm_metrics(results[ref_name][it][OUTPUT_NAME], results[name][it][OUTPUT_NAME])
-            lm_ok = lm["top1_agreement"] >= lm_tol["min_top1"] and lm["max_kl"] <= lm_tol["max_kl"]
+            lm_ok = lm_passed(lm, lm_tol)
             per_shape.append({
                 "shape": list(shape), "passed": bool(ocr) and lm_ok, "logits_within_tolerance": bool(ocr),
                 "max_abs": float(ocr.max_absdiff), "mean_abs": float(ocr.mean_absdiff),

@@ -104,8 +104,6 @@ def test_report_carries_each_peer_as_a_ratio_to_ours(run):
         assert q["peer_ms"] == r["median_ms"] and q["ours_ms"] == rows[(q["scenario"], "ort-cpu")]["median_ms"]
     assert pe["skipped"] == [{"peer": "genai", "scenario": "decode",
                               "reason": doc["backends"]["genai"]["skipped_cases"]["decode"]}]  # fmt: skip
-    assert pe == report.peers(doc)  # the stored section is the pure function of the rows
-
     table = list(csv.DictReader(io.StringIO((out / "bench.csv").read_text())))
     assert all(float(r["x_ours"]) > 0 for r in table)
     md = (out / "bench.md").read_text()
@@ -115,6 +113,32 @@ def test_report_carries_each_peer_as_a_ratio_to_ours(run):
     assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     goal = next(g for g in doc["goals"] if "onnxruntime-genai" in g["name"])
     assert goal["value"] == min(q["time_ratio"] for q in pe["ratios"] if q["peer"] == "genai")
+
+
+def test_peers_of_a_hand_made_report():
+    """report.peers on a document written by hand: a ratio per peer row that has our row of the same case
+    (not for a case we did not run, nor for a non-peer backend, nor where x_ours is missing), and every peer
+    that did not run, wholly or per scenario, with its reason."""
+    def row(backend, scenario, ms, x, batch=2, seq=16):
+        return {"backend": backend, "scenario": scenario, "batch": batch, "seq": seq, "past": 0, "new_tokens": 0,
+                "median_ms": ms, "x_ours": x}
+
+    doc = {"rows": [row("ort-cpu", "prefill", 4.0, 1.0), row("optimum", "prefill", 6.0, 1.5),
+                    row("genai", "prefill", 3.0, 0.75), row("ort-cuda", "prefill", 1.0, 0.25),  # not a peer
+                    row("optimum", "prefill", 9.0, 2.25, seq=32),  # no row of ours for this case
+                    row("optimum", "decode", 5.0, None), row("ort-cpu", "decode", 2.0, 1.0)],  # no ratio
+           "backends": {"ort-cpu": {"status": "ok"}, "optimum": {"status": "ok"},
+                        "genai": {"status": "ok", "skipped_cases": {"decode": "no call for one step"}},
+                        "optimum-hf-folder": {"status": "unavailable", "reason": "optimum is not installed"}}}
+    case = {"batch": 2, "seq": 16, "past": 0, "new_tokens": 0}
+    assert report.peers(doc) == {
+        "ours": "ort-cpu",
+        "ratios": [{"scenario": "prefill", **case, "peer": "optimum", "peer_ms": 6.0, "ours_ms": 4.0, "time_ratio": 1.5},
+                   {"scenario": "prefill", **case, "peer": "genai", "peer_ms": 3.0, "ours_ms": 4.0, "time_ratio": 0.75}],
+        "skipped": [{"peer": "genai", "scenario": "decode", "reason": "no call for one step"},
+                    {"peer": "optimum-hf-folder", "scenario": "all", "reason": "unavailable: optimum is not installed"}],
+    }  # fmt: skip
+
 
 
 def test_missing_peer_runtimes_are_skipped_rows_with_the_reason(run, lively_model, monkeypatch):

@@ -57,3 +57,33 @@ def test_unknown_name():
 def test_from_dict_rejects_non_object():
     with pytest.raises(ConfigError, match="expected a JSON object, got list"):
         ModelConfig.from_dict([1, 2])
+
+
+NAME_CASES = [  # (name, usable): one rule for a model name and a Triton model name (both name folders)
+    ("a", True), ("A9", True), ("9a", True), ("andrea-tiny_v1.2", True), ("a..b", True), ("a" * 128, True),
+    ("a" * 129, False), ("a" * 100, True),  # the old model-name rule stopped at 64, Triton's at 128
+    ("", False), (".", False), ("..", False), (".hidden", False), ("-x", False),
+    ("_x", False),  # the old Triton rule took a leading '_', the model-name rule did not
+    ("a/b", False), ("../x", False), ("a b", False), ("a\nb", False), ("é", False), ("a:b", False),
+]
+
+
+@pytest.mark.parametrize("name,usable", NAME_CASES)
+def test_one_name_rule_for_model_names_and_triton_model_names(name, usable):
+    """A model config and Triton packaging (which refuses a bad name before it reads anything) accept exactly the
+    same names: the old rules differed at 65-128 characters and at a leading '_'."""
+    from andrea_export.triton import PackageError
+    from andrea_export.triton_decoder import decoder_config
+
+    try:
+        model_ok = ModelConfig(name=name).name == name
+    except ConfigError as e:
+        assert "field 'name' must be 1-128 letters" in str(e)
+        model_ok = False
+    try:
+        decoder_config(None, Path("no-such-decoder.onnx"), name)
+    except PackageError as e:
+        triton_ok = "a Triton model name must be 1-128 letters" not in str(e)
+    except Exception:  # noqa: BLE001: the name passed; what comes next (no graph) is not the subject
+        triton_ok = True
+    assert (model_ok, triton_ok) == (usable, usable)

@@ -170,9 +170,68 @@ def test_index_symlink_out_of_the_folder_is_refused(hf_folder, tmp_path):
 def test_folder_without_weights_or_config_is_refused(hf_folder, tmp_path):
     with pytest.raises(CheckpointError, match="needs model.safetensors"):
         load_checkpoint(tmp_path)
-    (tmp_path / "model.safetensors").symlink_to(hf_folder / "model.safetensors")
+    shutil.copy(hf_folder / "model.safetensors", tmp_path)
     with pytest.raises(CheckpointError, match="no config.json"):
         load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.json", "model.safetensors", "model.safetensors.index.json"])
+def test_every_file_of_a_checkpoint_folder_is_refused_when_it_links_out(hf_model, hf_folder, tmp_path, name):
+    """One rule for every file read from a checkpoint folder (the index's shards, model.safetensors,
+    config.json, the index itself): a symlink resolving outside the folder is refused."""
+    folder = tmp_path / "ckpt"
+    if name == "model.safetensors.index.json":
+        hf_model.save_pretrained(folder, max_shard_size="100KB")
+    else:
+        shutil.copytree(hf_folder, folder)
+    outside = tmp_path / f"outside-{name}"
+    (folder / name).rename(outside)
+    (folder / name).symlink_to(outside)
+    for read in (load_checkpoint, checkpoint_sha256):
+        with pytest.raises(CheckpointError, match=f"'{name}' resolves to .*, outside the checkpoint folder"):
+            read(folder)
+
+
+def _hub_cache(source, cache, escape: str | None = None):
+    """`source` laid out as the Hugging Face hub cache holds it: models--org--name/blobs/<sha256> and
+    snapshots/<revision>/<file> -> ../../blobs/<sha256>. `escape`: that file links out of the repo folder."""
+    import hashlib
+
+    repo = cache / "models--org--tiny-gpt2"
+    snapshot = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0" * 40)
+    for f in sorted(source.iterdir()):
+        blob = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copy(f, repo / "blobs" / blob)
+        target = f"../../blobs/{blob}"
+        if f.name == escape:
+            shutil.copy(f, cache.parent / f.name)
+            target = f"../../../../{f.name}"  # resolves beside the cache, outside the repo folder
+        (snapshot / f.name).symlink_to(target)
+    return snapshot
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_a_hub_cache_snapshot_loads_and_a_link_out_of_its_repo_is_refused(hf_model, hf_folder, tmp_path, sharded):
+    """A hub-cache snapshot (every file a symlink into ../../blobs/) is a normal way to hold a checkpoint: it loads
+    as the plain folder does, with the same sha256. A snapshot file that resolves outside the repo folder
+    (models--org--name) is refused."""
+    source = hf_folder
+    if sharded:
+        source = tmp_path / "sharded"
+        hf_model.save_pretrained(source, max_shard_size="100KB")
+    snapshot = _hub_cache(source, tmp_path / "hub" / "cache")
+    model = load_checkpoint(snapshot)
+    with torch.no_grad():
+        np.testing.assert_allclose(model(torch.tensor(IDS)).numpy(), _hf_logits(hf_model, IDS), atol=1e-4, rtol=1e-4)
+    assert checkpoint_sha256(snapshot) == checkpoint_sha256(source)
+    escaping = "model.safetensors.index.json" if sharded else "config.json"
+    bad = _hub_cache(source, tmp_path / "hub2" / "cache", escape=escaping)
+    with pytest.raises(CheckpointError, match=f"'{escaping}' resolves to .*, outside the checkpoint folder"):
+        load_checkpoint(bad)
 
 
 def test_optimum_generate_equals_our_greedy(lively_model, lively_decoder, lively_prompt, tmp_path):

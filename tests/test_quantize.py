@@ -196,3 +196,40 @@ def test_verify_cli_reverifies_a_quantized_build_with_its_decoder(quantized_buil
                                        "--shapes", "1x8", "--greedy-steps", "2"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "KV-cache decoder decoder.int8.onnx" in result.output and "perplexity on" in result.output
+
+
+def _nibbles_swapped(graph: Path, out: Path) -> Path:
+    """The int4 graph with the two 4-bit weights of every byte exchanged: a packing bug that runs without error."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(graph))
+    packed = {n.input[1] for n in model.graph.node if n.op_type == "MatMulNBits"}
+    for t in model.graph.initializer:
+        if t.name in packed:
+            a = numpy_helper.to_array(t)
+            t.CopyFrom(numpy_helper.from_array(((a >> 4) | (a << 4)).astype(a.dtype), t.name))
+    onnx.save(model, str(out))
+    return out
+
+
+def test_the_int4_next_token_floor_passes_int4_and_fails_a_broken_int4(lively_model, tmp_path):
+    """On the trained model at verify's default shapes, the int4 graph meets int4's top-k floor at every shape,
+    and the int4 graph with its nibbles swapped misses it at every shape of more than one token (with the KL
+    bound set aside: the floor must catch it by itself)."""
+    import torch
+
+    from andrea_export.export import export_onnx
+    from andrea_export.verify import default_shapes, lm_metrics, lm_passed, lm_thresholds
+
+    good = quantize_weights(export_onnx(lively_model, tmp_path / "model.onnx", quiet=True),
+                            tmp_path / "model.int4.onnx", "int4")
+    broken = _nibbles_swapped(good, tmp_path / "broken.int4.onnx")
+    floor = {**lm_thresholds("int4"), "max_kl": float("inf")}
+    rng = np.random.default_rng(0)
+    for shape in default_shapes(lively_model.cfg.n_positions):
+        ids = rng.integers(0, lively_model.cfg.vocab_size, size=shape, dtype=np.int64)
+        with torch.no_grad():
+            ref = lively_model(torch.from_numpy(ids)).numpy()
+        assert lm_passed(lm_metrics(ref, _run(good, ids)), lm_thresholds("int4")), shape
+        if shape[1] > 1:
+            assert not lm_passed(lm_metrics(ref, _run(broken, ids)), floor), shape

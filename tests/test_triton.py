@@ -352,7 +352,7 @@ def test_changed_artifact_failed_build_and_bad_arguments(tmp_path, onnx_only):
         ({"kind": "tpu"}, "unknown instance kind 'tpu'; choose one of: gpu, cpu"),
         ({"instances": 0}, "instances must be a positive integer, got 0"),
         ({"max_batch_size": -1}, "max_batch_size must be an integer >= 0, got -1"),
-        ({"name": "../x"}, "'../x' is not a usable Triton model name: use letters, digits, '_', '-' and '.', not starting with '.' or '-'"),
+        ({"name": "../x"}, "a Triton model name must be 1-128 letters, digits, '_', '-' or '.', starting with a letter or digit (it names a folder), got '../x'"),
         ({"preferred_batch_sizes": [4, 32]}, "preferred batch size 32 is outside 1..max_batch_size (16)"),
     ]:
         with pytest.raises(PackageError) as e:

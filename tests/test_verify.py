@@ -8,7 +8,8 @@ import torch
 from andrea_export.checkpoint import random_init, save_checkpoint
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import CheckpointError
-from andrea_export.verify import lm_metrics, reference_model_for, verify
+from andrea_export.precision import PRECISIONS
+from andrea_export.verify import lm_metrics, lm_passed, lm_thresholds, reference_model_for, verify
 
 
 def test_onnx_passes_with_all_figures(tiny_model, tiny_onnx, tmp_path):
@@ -118,3 +119,12 @@ def test_without_text_the_report_says_perplexity_is_not_computed(tiny_model, tin
     report = verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 2)], greedy_steps=0, quiet=True)
     assert report.perplexity["computed"] is False and "random weights" in report.perplexity["reason"]
     assert report.comparisons[0]["perplexity"] is None and report.passed
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precisions_next_token_gate_can_fail(precision):
+    """A graph whose top-1 never agrees with the reference and whose top-5 shares at most 2 of 5 tokens with it
+    (an int4 graph with its nibbles swapped: 0.40 at best on the trained model) fails every precision's
+    next-token gate, even with a KL inside the bound."""
+    nowhere = {"top1_agreement": 0.0, "top5_overlap": 0.4, "max_kl": 0.0, "mean_kl": 0.0}
+    assert not lm_passed(nowhere, lm_thresholds(precision))

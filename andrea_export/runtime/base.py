@@ -283,9 +283,13 @@ class SerialSession(Session):
     a captured CUDA graph): calls run one at a time under a lock, and a batch runs one sequence after
     another (batch 1: no padding). Threads may share it; they take turns, one request at a time.
 
-    Subclasses implement two steps over that one cache:
+    Subclasses implement two steps over that one cache, and what close() frees:
         _prefill(ids) -> logits [len(ids), vocab]   starts the cache from `ids` (a list of ints)
         _decode(token) -> logits [vocab]            appends `token` (an int)
+        _release()                                  frees the cache (device memory, handles)
+
+    close() takes the same lock as a call: it waits for a running call to end instead of freeing the buffers
+    under it, and a call after close() is refused (InputError) instead of touching freed memory.
     """
 
     max_batch = 1
@@ -294,6 +298,22 @@ class SerialSession(Session):
         super().__init__(cfg, layout, source)
         self._lock = threading.Lock()
         self._holder: int | None = None  # the thread inside a call
+        self._closed = False
+
+    def _release(self) -> None:
+        """Free what the session holds; called once, by close(), under the lock."""
+
+    def close(self) -> None:
+        self._refuse_own_call("close it")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._release()
+
+    def _refuse_own_call(self, doing: str) -> None:
+        if self._holder == threading.get_ident():  # taking the lock would wait for itself
+            raise InputError(f"{self.source}: this thread is already in a call of this session (an unfinished "
+                             f"stream?); finish or close that call before you {doing}")
 
     @abc.abstractmethod
     def _prefill(self, ids: list[int]) -> np.ndarray:
@@ -305,10 +325,10 @@ class SerialSession(Session):
 
     @contextlib.contextmanager
     def _steps(self, capacity: int | None = None) -> Iterator[Steps]:
-        if self._holder == threading.get_ident():  # it would wait for itself
-            raise InputError(f"{self.source}: this thread is already in a call of this session (an unfinished "
-                             f"stream?); a {self.backend} session runs one call at a time")
+        self._refuse_own_call(f"start another (a {self.backend} session runs one call at a time)")
         with self._lock:
+            if self._closed:
+                raise InputError(f"{self.source}: this session is closed; load a new one")
             self._holder = threading.get_ident()
             try:
                 yield _SessionSteps(self)

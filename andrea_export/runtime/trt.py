@@ -10,8 +10,9 @@ One execution context per profile, each keeping its own profile selected.
 
 Threads: a TrtSession keeps its one cache in the session (the buffers above, the execution contexts, the
 captured CUDA graph, all on one stream), so it is a `SerialSession`: calls from several threads take turns
-under a lock, one sequence at a time (a batch of prompts runs one prompt after another). For parallel
-requests on one GPU, load one session per worker.
+under a lock, one sequence at a time (a batch of prompts runs one prompt after another); close() takes the
+same lock, so it waits for a running call before it frees the buffers. For parallel requests on one GPU,
+load one session per worker.
 
 Decode has two modes:
 
@@ -124,20 +125,27 @@ class TrtSession(SerialSession):
 
     def __init__(self, engine_path: str | Path, cfg: ModelConfig, layout: KVLayout, *, cuda_graph: bool = True):
         super().__init__(cfg, layout, str(engine_path))
-        self.cudart = rt = _cudart()  # first: on a machine without a GPU, that is what to say
-        self.trt = trt = _tensorrt()
+        self.cudart = _cudart()  # first: on a machine without a GPU, that is what to say
+        self.trt = _tensorrt()
         self._buffers: list[int] = []
         self.cuda_stream: int | None = None
         self._graph_exec = None
         self.cuda_graph_active = False
         self.cuda_graph_error: str | None = None
+        try:
+            self._load(Path(engine_path), cuda_graph)
+        except BaseException:  # a session that fails to load frees what it took
+            self._release()
+            raise
 
+    def _load(self, engine_path: Path, cuda_graph: bool):
+        rt, trt, cfg, layout = self.cudart, self.trt, self.cfg, self.layout
         self.cuda_stream = int(_ok(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        self.engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
+        self.engine = self._runtime.deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
             raise InputError(f"{engine_path}: TensorRT could not deserialize this engine (see the log above)")
-        _refit_if_stripped(trt, self.engine, Path(engine_path))
+        _refit_if_stripped(trt, self.engine, engine_path)
         self._check_engine()
         self.dtypes = self._engine_dtypes()  # tensor name -> numpy dtype, as the engine declares it
         # the cache's element type is the engine's (fp16/bf16 builds), whatever graph the layout was read from
@@ -356,7 +364,7 @@ class TrtSession(SerialSession):
         self._sync()
         return out.astype(np.float32)  # a copy, float32 whatever the engine's logits type
 
-    def close(self) -> None:
+    def _release(self) -> None:  # SerialSession.close: under the session lock, once
         rt = self.cudart
         if self._graph_exec is not None:
             rt.cudaGraphExecDestroy(self._graph_exec)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import tensorrt_rtx as rtx
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parent.parent)]  # trt_standin, trt_enums
 
 
 def hybrid(package: Path, version: str) -> types.ModuleType:

@@ -6,7 +6,6 @@ import py_compile
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -48,12 +47,17 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path):
         assert why["plugin engine"].startswith("TensorRT is not installed (pip install 'andrea-export[tensorrt]')")
 
 
-def _checks(tmp_path, budget=60.0):
+def _gpu_checks():
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import gpu_checks
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
+    return gpu_checks
+
+
+def _checks(tmp_path, budget=60.0):
+    gpu_checks = _gpu_checks()
     return gpu_checks, gpu_checks.Checks(budget, tmp_path / "rows.jsonl", out=io.StringIO())
 
 
@@ -79,17 +83,40 @@ def test_a_failing_section_is_a_row_and_the_run_goes_on(tmp_path):
     assert [(r["section"], r["status"], r["detail"]) for r in written] == got  # each row written as it finished
 
 
-def test_time_budget_skips_what_does_not_fit_and_stops_an_overrun(tmp_path):
-    gc, c = _checks(tmp_path, budget=1.0)
-    t0 = time.monotonic()
+def test_time_budget_skips_what_does_not_fit_and_stops_an_overrun(tmp_path, monkeypatch):
+    """On a fake clock: a section that does not fit what is left of the budget is skipped; one that runs gets a
+    timer (SIGALRM) for exactly what is left, and when it fires the section stops as a FAIL row; the timer is
+    disarmed and the previous handler restored after each section. (No wall-clock assertion: the timer is
+    the operating system's; what is checked is what the script asks of it and what it does when it fires.)"""
+    import signal
+    import types
+
+    now = [100.0]
+    timers: list[float] = []
+    real = signal
+    monkeypatch.setattr(_gpu_checks(), "time", types.SimpleNamespace(monotonic=lambda: now[0]))
+    monkeypatch.setattr(_gpu_checks(), "signal", types.SimpleNamespace(
+        signal=real.signal, SIGALRM=real.SIGALRM, ITIMER_REAL=real.ITIMER_REAL,
+        setitimer=lambda which, seconds: timers.append(seconds)))  # fmt: skip
+    gc, c = _checks(tmp_path, budget=10.0)
+    before = real.getsignal(real.SIGALRM)
+
+    def overrun(c):
+        assert timers == [7.0]  # armed with what was left: 10 s budget, 3 s spent
+        now[0] += 7.0  # the section runs to the end of the budget ...
+        real.raise_signal(real.SIGALRM)  # ... where the timer fires
+        raise AssertionError("the section went on after the alarm")
+
+    now[0] += 3.0
     c.section("big", lambda c: 1, estimate_s=120)
-    c.section("overrun", lambda c: time.sleep(30), estimate_s=0)
+    c.section("overrun", overrun, estimate_s=0)
     c.section("after", lambda c: 1, estimate_s=1)
-    assert time.monotonic() - t0 < 5  # the alarm stopped the 30 s section at the budget
+    assert timers == [7.0, 0]  # the skipped sections arm nothing; the one that ran is disarmed after
+    assert real.getsignal(real.SIGALRM) is before
     assert [(r["section"], r["status"]) for r in c.rows] == [("big", "SKIP"), ("overrun", "FAIL"), ("after", "SKIP")]
-    assert c.rows[0]["detail"].startswith("time budget: 1 s of 1 s left, this needs about 120 s")
-    assert c.rows[1]["detail"] == "stopped at the time budget of 1 s after 1 s"
-    assert c.rows[2]["detail"].startswith("time budget: 0 s of 1 s left")
+    assert c.rows[0]["detail"].startswith("time budget: 7 s of 10 s left, this needs about 120 s")
+    assert c.rows[1]["detail"] == "stopped at the time budget of 10 s after 7 s"
+    assert c.rows[2]["detail"].startswith("time budget: 0 s of 10 s left")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (CUDA toolkit)")

@@ -13,6 +13,7 @@ import venv
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from andrea_export.plugin.compile import find_nvrtc
@@ -62,9 +63,11 @@ def test_kernel_compiles_from_the_installed_wheel(wheel, tmp_path):
                            "--disable-pip-version-check", "-q", str(wheel)], capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
     code = (
+        f"import sys; sys.path.append({str(Path(np.__file__).parents[1])!r}); "  # numpy, after the wheel's site
         "import json; from andrea_export.plugin.compile import compile_ptx, kernel_source_path; "
+        "from andrea_export.plugin.host_emulation import _harness; "
         "k = compile_ptx('sm_80', use_cache=False); "
-        "print(json.dumps({'source': str(kernel_source_path()), 'harness': str(kernel_source_path().with_name('host_emulation.cpp')), "
+        "print(json.dumps({'source': str(kernel_source_path()), 'harness': str(_harness()), "
         "'entries': list(k.entry_points), 'isa': k.ptx_isa}))"
     )
     env = {"PATH": "/usr/bin:/bin", "ANDREA_NVRTC": str(nvrtc), "HOME": str(tmp_path)}  # no PYTHONPATH: the wheel only
@@ -73,7 +76,7 @@ def test_kernel_compiles_from_the_installed_wheel(wheel, tmp_path):
     out = json.loads(proc.stdout)
     site = next((env_dir / "lib").glob("python3*/site-packages"))
     assert Path(out["source"]) == site / "andrea_export" / "_kernels" / "gelu_tanh.cu"
-    assert Path(out["harness"]).is_file()  # host_emulation.py's C++ harness, found beside the kernel
-    assert Path(out["harness"]).parent == Path(out["source"]).parent
+    assert Path(out["harness"]) == site / "andrea_export" / "_kernels" / "host_emulation.cpp"  # as host_emulation finds it
+    assert Path(out["harness"]).is_file()
     assert out["entries"] == ["gelu_tanh_f32", "gelu_tanh_f16", "gelu_tanh_bf16",
                               "gelu_tanh_bias_f32", "gelu_tanh_bias_f16", "gelu_tanh_bias_bf16"]  # fmt: skip

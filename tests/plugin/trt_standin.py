@@ -17,20 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-
-class DataType(enum.IntEnum):
-    FLOAT = 0
-    HALF = 1
-    INT8 = 2
-    INT32 = 3
-    BOOL = 4
-    UINT8 = 5
-    FP8 = 6
-    BF16 = 7
-    INT64 = 8
-    INT4 = 9
-    FP4 = 10
+from trt_enums import DataType  # tests/: shared with runtime/fake_cuda.py
 
 
 class TensorFormat(enum.IntEnum):

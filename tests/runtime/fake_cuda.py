@@ -11,8 +11,17 @@ runtime API, for testing `andrea_export.runtime.trt.TrtSession` where there is n
 - copy directions are checked (a HostToDevice copy needs a device destination and a host source, ...);
 - work on a stream that is being captured is recorded, not run; a captured graph replays exactly the
   recorded operations, with the arguments they had when recorded (TensorRT's enqueue included: its tensor
-  shapes and addresses are baked in at capture time); cudaStreamSynchronize or cudaMalloc during a
-  thread-local capture fail with cudaErrorStreamCaptureUnsupported and invalidate the capture;
+  shapes and addresses are baked in at capture time); cudaStreamSynchronize, cudaMalloc or cudaMallocHost
+  during a thread-local capture fail with cudaErrorStreamCaptureUnsupported and invalidate the capture;
+- a copy to or from pageable host memory (anything cudaMallocHost did not hand out) during a capture fails
+  the same way. The runtime API's cudaMemcpyAsync reference said so outright ("It only works on
+  page-locked host memory and returns an error if a pointer to pageable memory is passed"); later drivers
+  may stage such a copy, but a graph node over a pageable address reads or writes whatever lives there at
+  each replay, with nothing keeping it alive, and PyTorch refuses it during capture for that reason. The
+  stand-in takes the strict reading: a runtime that passes here passes there. Outside a capture a pageable
+  copy is legal (staged, synchronous for the host), as in CUDA;
+- a replay re-checks every recorded copy and memset against the allocations (device and page-locked) alive
+  at that moment, as the enqueue's tensor accesses are: memory freed since the capture faults;
 - graphs, graph executables, streams and allocations are counted, so a test can say nothing leaked;
 - a kernel (TensorRT enqueue) that touches memory outside an allocation leaves the sticky
   cudaErrorIllegalAddress that the next synchronize reports, as a device fault does.
@@ -38,6 +47,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+from trt_enums import DataType  # tests/: shared with plugin/trt_standin.py
 
 
 class cudaError_t(enum.IntEnum):  # the values of CUDA's driver_types.h
@@ -101,6 +111,8 @@ class FakeCudart:
     def __init__(self):
         self._blocks: dict[int, np.ndarray] = {}  # base address -> its bytes (a view of a larger, aligned buffer)
         self._bases: list[int] = []  # sorted
+        self._pinned: dict[int, np.ndarray] = {}  # page-locked host memory (cudaMallocHost), the same way
+        self._pinned_bases: list[int] = []
         self._streams: dict[int, list | None] = {}  # handle -> ops being captured (None: not capturing)
         self._invalidated: set[int] = set()
         self._graphs: dict[int, list] = {}
@@ -117,21 +129,26 @@ class FakeCudart:
         self._next_handle += 0x10
         return Handle(kind, self._next_handle)
 
-    def _block(self, ptr: int) -> tuple[int, np.ndarray] | None:
-        i = bisect.bisect_right(self._bases, ptr) - 1
+    def _block(self, ptr: int, pinned: bool = False) -> tuple[int, np.ndarray] | None:
+        blocks, bases = (self._pinned, self._pinned_bases) if pinned else (self._blocks, self._bases)
+        i = bisect.bisect_right(bases, ptr) - 1
         if i < 0:
             return None
-        base = self._bases[i]
-        block = self._blocks[base]
+        base = bases[i]
+        block = blocks[base]
         return (base, block) if ptr < base + block.size else None
 
     def is_device(self, ptr: int) -> bool:
         return self._block(int(ptr)) is not None
 
-    def device_bytes(self, ptr: int, nbytes: int) -> np.ndarray:
-        """The `nbytes` bytes at device address `ptr` as a uint8 view; _Fault unless all inside one allocation."""
+    def is_pinned(self, ptr: int) -> bool:
+        return self._block(int(ptr), pinned=True) is not None
+
+    def device_bytes(self, ptr: int, nbytes: int, *, pinned: bool = False) -> np.ndarray:
+        """The `nbytes` bytes at device address `ptr` (`pinned`: page-locked host address) as a uint8 view;
+        _Fault unless all inside one live allocation."""
         ptr = int(ptr)
-        found = self._block(ptr)
+        found = self._block(ptr, pinned)
         if found is None:
             raise _Fault(f"address {ptr:#x} is in no allocation")
         base, block = found
@@ -140,17 +157,46 @@ class FakeCudart:
                          f"the {block.size}-byte allocation at {base:#x}")
         return block[ptr - base: ptr - base + nbytes]
 
-    def _extent_ok(self, ptr: int, nbytes: int) -> bool:
+    def _extent_ok(self, ptr: int, nbytes: int, pinned: bool = False) -> bool:
         try:
-            self.device_bytes(ptr, nbytes)
+            self.device_bytes(ptr, nbytes, pinned=pinned)
         except _Fault:
             return False
         return True
 
+    def _spans(self, stream, spans: list[tuple[int, int]]) -> tuple[list, cudaError_t | None]:
+        """The (address, bytes) extents a copy or memset touches, each checked: inside one device or page-locked
+        allocation (else cudaErrorInvalidValue), or pageable host memory, which a capture on `stream` refuses
+        (cudaErrorStreamCaptureUnsupported, the capture invalidated). Returns the extents to re-check when the
+        operation runs, as (address, bytes, pinned)."""
+        checked = []
+        for ptr, nbytes in spans:
+            for pinned in (False, True):
+                if self._block(ptr, pinned) is not None:
+                    if not self._extent_ok(ptr, nbytes, pinned):
+                        return [], cudaError_t.cudaErrorInvalidValue
+                    checked.append((ptr, nbytes, pinned))
+                    break
+            else:  # pageable
+                s = int(stream)
+                if self._streams.get(s) is not None:
+                    self._invalidated.add(s)
+                    return [], cudaError_t.cudaErrorStreamCaptureUnsupported
+        return checked, None
+
+    def _checked(self, spans: list, body):
+        """`body`, run only when every extent still lies in a live allocation (a replay after a free faults)."""
+        def op():
+            for ptr, nbytes, pinned in spans:
+                self.device_bytes(ptr, nbytes, pinned=pinned)
+            body()
+
+        return op
+
     def live(self) -> dict[str, int]:
         """What is still allocated: a test's leak check."""
-        return {"allocations": len(self._blocks), "streams": len(self._streams), "graphs": len(self._graphs),
-                "graph_execs": len(self._execs)}
+        return {"allocations": len(self._blocks), "pinned": len(self._pinned), "streams": len(self._streams),
+                "graphs": len(self._graphs), "graph_execs": len(self._execs)}
 
     def _capturing(self) -> list[int]:
         return [s for s, ops in self._streams.items() if ops is not None]
@@ -176,7 +222,7 @@ class FakeCudart:
             self.sticky, self.fault = cudaError_t.cudaErrorIllegalAddress, f"{what}: {e}"
 
     # -- memory --------------------------------------------------------------------------------------
-    def cudaMalloc(self, size):
+    def _allocate(self, size, pinned: bool):
         if self._capturing():  # a "potentially unsafe" call in thread-local capture mode
             self._invalidated.update(self._capturing())
             return cudaError_t.cudaErrorStreamCaptureUnsupported, 0
@@ -188,20 +234,35 @@ class FakeCudart:
         block = raw[start: start + size]
         block[:] = 0xFF  # NaN as float32/float16/bfloat16: reading memory nothing wrote shows up in the logits
         base = block.ctypes.data
-        self._blocks[base] = block
-        bisect.insort(self._bases, base)
-        self.mallocs += 1
+        blocks, bases = (self._pinned, self._pinned_bases) if pinned else (self._blocks, self._bases)
+        blocks[base] = block
+        bisect.insort(bases, base)
+        self.mallocs += not pinned
         return cudaError_t.cudaSuccess, base
 
-    def cudaFree(self, devPtr):
-        ptr = int(devPtr)
+    def _release(self, ptr, pinned: bool):
+        ptr = int(ptr)
         if ptr == 0:
             return OK
-        if ptr not in self._blocks:
+        blocks, bases = (self._pinned, self._pinned_bases) if pinned else (self._blocks, self._bases)
+        if ptr not in blocks:
             return (cudaError_t.cudaErrorInvalidValue,)
-        del self._blocks[ptr]
-        self._bases.remove(ptr)
+        del blocks[ptr]
+        bases.remove(ptr)
         return OK
+
+    def cudaMalloc(self, size):
+        return self._allocate(size, pinned=False)
+
+    def cudaFree(self, devPtr):
+        return self._release(devPtr, pinned=False)
+
+    def cudaMallocHost(self, size):
+        """Page-locked host memory: the host memory a captured copy may use."""
+        return self._allocate(size, pinned=True)
+
+    def cudaFreeHost(self, ptr):
+        return self._release(ptr, pinned=True)
 
     def _check_kind(self, dst: int, src: int, kind) -> cudaError_t | None:
         kind = cudaMemcpyKind(kind)
@@ -220,10 +281,10 @@ class FakeCudart:
         err = self._check_kind(dst, src, kind)
         if err is not None:
             return (err,)
-        for ptr in (dst, src):
-            if self.is_device(ptr) and not self._extent_ok(ptr, count):
-                return (cudaError_t.cudaErrorInvalidValue,)
-        return self._submit(stream, lambda: ctypes.memmove(dst, src, count), f"memcpy {count}B")
+        spans, err = self._spans(stream, [(dst, count), (src, count)])
+        if err is not None:
+            return (err,)
+        return self._submit(stream, self._checked(spans, lambda: ctypes.memmove(dst, src, count)), f"memcpy {count}B")
 
     def cudaMemcpy2DAsync(self, dst, dpitch, src, spitch, width, height, kind, stream):
         dst, dpitch, src, spitch, width, height = map(int, (dst, dpitch, src, spitch, width, height))
@@ -234,21 +295,22 @@ class FakeCudart:
             return (err,)
         if width == 0 or height == 0:
             return self._submit(stream, lambda: None, "memcpy2d (empty)")
-        for ptr, pitch in ((dst, dpitch), (src, spitch)):
-            if self.is_device(ptr) and not self._extent_ok(ptr, (height - 1) * pitch + width):
-                return (cudaError_t.cudaErrorInvalidValue,)
+        spans, err = self._spans(stream, [(dst, (height - 1) * dpitch + width), (src, (height - 1) * spitch + width)])
+        if err is not None:
+            return (err,)
 
         def op():
             for r in range(height):
                 ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
 
-        return self._submit(stream, op, f"memcpy2d {height}x{width}B")
+        return self._submit(stream, self._checked(spans, op), f"memcpy2d {height}x{width}B")
 
     def cudaMemsetAsync(self, devPtr, value, count, stream):
         ptr, value, count = int(devPtr), int(value), int(count)
         if not self._extent_ok(ptr, count):
             return (cudaError_t.cudaErrorInvalidValue,)
-        return self._submit(stream, lambda: ctypes.memset(ptr, value, count), f"memset {count}B")
+        op = self._checked([(ptr, count, False)], lambda: ctypes.memset(ptr, value, count))
+        return self._submit(stream, op, f"memset {count}B")
 
     def launch_kernel(self, stream, op, what: str):
         """How the TensorRT stand-in enqueues its work (a kernel launch on `stream`)."""
@@ -336,21 +398,6 @@ class FakeCudart:
 # ---------------------------------------------------------------------------------------------------------
 # TensorRT
 # ---------------------------------------------------------------------------------------------------------
-
-class DataType(enum.IntEnum):  # names and values of tensorrt.DataType (10.x / 11.x and TensorRT-RTX)
-    FLOAT = 0
-    HALF = 1
-    INT8 = 2
-    INT32 = 3
-    BOOL = 4
-    UINT8 = 5
-    FP8 = 6
-    BF16 = 7
-    INT64 = 8
-    INT4 = 9
-    FP4 = 10
-    E8M0 = 11
-
 
 class TensorIOMode(enum.IntEnum):
     NONE = 0

@@ -23,10 +23,11 @@ from andrea_export.export import read_config
 from andrea_export.kvcache import optimization_profiles, read_kv_layout
 from andrea_export.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
 from andrea_export.runtime.ort import OrtSession
+from andrea_export.runtime.trt import CudaError
 
 N = ANDREA_TINY.n_positions
 LENGTHS = [1, 64, N - 1, N]  # one token, a middle prompt, the longest that still decodes, the full context
-NOTHING_LIVE = {"allocations": 0, "streams": 0, "graphs": 0, "graph_execs": 0}
+NOTHING_LIVE = {"allocations": 0, "pinned": 0, "streams": 0, "graphs": 0, "graph_execs": 0}
 
 
 def _prompt(length: int) -> list[int]:
@@ -212,9 +213,14 @@ def test_fake_cuda_graph_replays_exactly_what_was_recorded():
     rt = FakeCudart()
     _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
     _, dev = rt.cudaMalloc(8)
-    one, two = np.array([1], dtype=np.int64), np.array([2], dtype=np.int64)
+
+    def pinned(value: int) -> np.ndarray:  # a captured copy's host side must be page-locked
+        a = rt.device_bytes(rt.cudaMallocHost(8)[1], 8, pinned=True).view(np.int64)
+        a[0] = value
+        return a
+
+    one, two, out = pinned(1), pinned(2), pinned(0)
     H2D, D2H = rt.cudaMemcpyKind.cudaMemcpyHostToDevice, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost
-    out = np.zeros(1, dtype=np.int64)
     assert rt.cudaStreamBeginCapture(stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal)[0] == 0
     rt.cudaMemcpyAsync(dev, one.ctypes.data, 8, H2D, stream)
     assert rt.cudaMalloc(8)[0] == cudaError_t.cudaErrorStreamCaptureUnsupported  # not while capturing
@@ -235,9 +241,82 @@ def test_fake_cuda_graph_replays_exactly_what_was_recorded():
     two[0] = 7  # the graph copies from the recorded address: it sees the host value at launch time
     rt.cudaGraphLaunch(exe, stream)
     assert out[0] == 7 and rt.launches == 1
-    for r in (rt.cudaGraphDestroy(graph), rt.cudaGraphExecDestroy(exe), rt.cudaFree(dev), rt.cudaStreamDestroy(stream)):
+    for r in (rt.cudaGraphDestroy(graph), rt.cudaGraphExecDestroy(exe), rt.cudaFree(dev), rt.cudaStreamDestroy(stream),
+              *(rt.cudaFreeHost(a.ctypes.data) for a in (one, two, out))):
         assert r == (cudaError_t.cudaSuccess,)
     assert rt.live() == NOTHING_LIVE
+
+
+def test_fake_cuda_refuses_pageable_host_memory_in_a_capture():
+    """A copy between a device and pageable host memory cannot be captured: the call fails with
+    cudaErrorStreamCaptureUnsupported and the capture is invalidated (a graph node would read or write that host
+    address at every replay, with nothing keeping it alive). Page-locked memory (cudaMallocHost) is captured."""
+    rt = FakeCudart()
+    _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    _, dev = rt.cudaMalloc(64)
+    K, mode = rt.cudaMemcpyKind, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+    pageable = np.arange(16, dtype=np.float32)
+    unsupported = (cudaError_t.cudaErrorStreamCaptureUnsupported,)
+    copies = [lambda: rt.cudaMemcpyAsync(dev, pageable.ctypes.data, 64, K.cudaMemcpyHostToDevice, stream),
+              lambda: rt.cudaMemcpyAsync(pageable.ctypes.data, dev, 64, K.cudaMemcpyDeviceToHost, stream),
+              lambda: rt.cudaMemcpy2DAsync(dev, 16, pageable.ctypes.data, 16, 16, 4, K.cudaMemcpyHostToDevice, stream)]
+    for copy in copies:
+        assert copy() == (cudaError_t.cudaSuccess,)  # outside a capture: a (staged) copy, legal
+        assert rt.cudaStreamBeginCapture(stream, mode) == (cudaError_t.cudaSuccess,)
+        assert copy() == unsupported
+        assert rt.cudaStreamEndCapture(stream) == (cudaError_t.cudaErrorStreamCaptureInvalidated, None)
+    err, pinned = rt.cudaMallocHost(64)
+    assert err == cudaError_t.cudaSuccess and rt.live()["pinned"] == 1
+    rt.cudaStreamBeginCapture(stream, mode)
+    assert rt.cudaMemcpyAsync(dev, pinned, 64, K.cudaMemcpyHostToDevice, stream) == (cudaError_t.cudaSuccess,)
+    assert rt.cudaMemcpyAsync(dev, pinned + 8, 64, K.cudaMemcpyHostToDevice, stream) == (  # past its end
+        cudaError_t.cudaErrorInvalidValue,)
+    err, graph = rt.cudaStreamEndCapture(stream)
+    assert err == cudaError_t.cudaSuccess
+    for r in (rt.cudaGraphDestroy(graph), rt.cudaFreeHost(pinned), rt.cudaFree(dev), rt.cudaStreamDestroy(stream)):
+        assert r == (cudaError_t.cudaSuccess,)
+    assert rt.live() == NOTHING_LIVE
+
+
+def test_fake_cuda_graph_replay_faults_on_memory_freed_since_the_capture():
+    """A graph keeps the addresses it was captured with, not the memory: a replay whose copy reads or writes an
+    allocation freed since then faults (sticky cudaErrorIllegalAddress at the next synchronize) and touches
+    nothing, as a kernel on unmapped device memory does."""
+    rt = FakeCudart()
+    _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+    K, mode = rt.cudaMemcpyKind, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal
+
+    def captured(*ops):
+        rt.cudaStreamBeginCapture(stream, mode)
+        for op in ops:
+            assert op() == (cudaError_t.cudaSuccess,)
+        err, graph = rt.cudaStreamEndCapture(stream)
+        _, exe = rt.cudaGraphInstantiate(graph, 0)
+        rt.cudaGraphDestroy(graph)
+        return exe
+
+    _, src = rt.cudaMalloc(64)
+    _, dst = rt.cudaMalloc(64)
+    rt.device_bytes(src, 64)[...] = 7
+    exe = captured(lambda: rt.cudaMemcpyAsync(dst, src, 64, K.cudaMemcpyDeviceToDevice, stream))
+    assert rt.cudaFree(src) == (cudaError_t.cudaSuccess,)
+    assert rt.cudaGraphLaunch(exe, stream) == (cudaError_t.cudaSuccess,)  # launches are asynchronous
+    assert rt.cudaStreamSynchronize(stream) == (cudaError_t.cudaErrorIllegalAddress,)
+    assert "in no allocation" in rt.fault and (rt.device_bytes(dst, 64) == 0xFF).all()  # dst untouched
+
+    for free in ("device", "pinned"):  # the destination freed, a page-locked source freed; each a fresh device
+        rt = FakeCudart()
+        _, stream = rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking)
+        _, dev = rt.cudaMalloc(64)
+        _, host = rt.cudaMallocHost(64)
+        exe = captured(lambda: rt.cudaMemcpyAsync(dev, host, 64, K.cudaMemcpyHostToDevice, stream),
+                       lambda: rt.cudaMemsetAsync(dev, 0, 64, stream),
+                       lambda: rt.cudaMemcpy2DAsync(dev, 16, host, 16, 16, 4, K.cudaMemcpyHostToDevice, stream))
+        rt.cudaGraphLaunch(exe, stream)
+        assert rt.cudaStreamSynchronize(stream) == (cudaError_t.cudaSuccess,)  # all alive: it runs
+        assert (rt.cudaFree(dev) if free == "device" else rt.cudaFreeHost(host)) == (cudaError_t.cudaSuccess,)
+        rt.cudaGraphLaunch(exe, stream)
+        assert rt.cudaStreamSynchronize(stream) == (cudaError_t.cudaErrorIllegalAddress,), free
 
 
 def test_fake_tensorrt_reports_the_graphs_dtypes_and_faults_out_of_bounds(graphs, tmp_path):
@@ -276,9 +355,8 @@ def test_fake_tensorrt_reports_the_graphs_dtypes_and_faults_out_of_bounds(graphs
     assert "tensor 'logits'" in rt.fault and "past the end" in rt.fault
 
 
-def test_fake_datatype_is_tensorrts():
+def test_the_runtimes_dtype_map_on_tensorrts_datatype():  # the stand-ins' DataType: tests/test_trt_enums.py
     trt = pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) has the real DataType enum")
-    assert {k: int(v) for k, v in trt.DataType.__members__.items()} == {d.name: d.value for d in DataType}
     from andrea_export.runtime.trt import _numpy_dtypes
 
     assert {d.name: t.name for d, t in _numpy_dtypes(trt).items()} == {  # the runtime's map, on the real enum
@@ -350,3 +428,56 @@ def test_threads_and_batches_take_turns(device, graphs, references, tmp_path):
             assert list(pool.map(lambda i: sess.generate(prompts[i], 12, strategy="top-k", seed=i), range(4))) == alone
         assert sess.generate(prompts, 12, strategy="top-k", seed=list(range(4))) == alone
     _closed_clean(device)
+
+
+def test_close_waits_for_a_running_call_and_a_call_after_close_is_refused(device, graphs, expected, tmp_path):
+    """close() from another thread while a call holds the session (an unfinished stream) waits for that call
+    instead of freeing its buffers under it; the call finishes with the right tokens; a call after close (and a
+    close from inside the thread's own unfinished call) gets a one-line InputError, and nothing leaks."""
+    import threading
+
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs["fp32"]), backend="tensorrt")
+    prompt = _prompt(5)
+    events = sess.stream(prompt, 12)
+    got = [next(events)[0]]  # the call now holds the session
+    with pytest.raises(runtime.InputError, match="already in a call"):
+        sess.close()  # from the same thread it would wait for itself
+    closer = threading.Thread(target=sess.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive(), "close() returned while a call was running (it freed the call's buffers)"
+    got += [token for token, _ in events]
+    closer.join(30)
+    assert not closer.is_alive()
+    assert got == expected("fp32", 5)[1][:12]
+    _closed_clean(device)
+    for call in (lambda: sess.generate(prompt, 3), lambda: sess.forward(prompt), lambda: next(sess.stream(prompt, 3))):
+        with pytest.raises(runtime.InputError, match="closed"):
+            call()
+    sess.close()  # a second close does nothing
+    _closed_clean(device)
+
+
+def test_a_session_that_fails_to_load_frees_what_it_took(device, graphs, tmp_path):
+    """An engine refused after the stream (and buffers) exist: the InputError leaves nothing allocated."""
+    from andrea_export.runtime.trt import TrtSession
+
+    layout = read_kv_layout(graphs["fp32"])
+    plan = write_plan(tmp_path / "decoder.plan", graphs["fp32"], optimization_profiles(layout)[:1])  # no decode profile
+    with pytest.raises(runtime.InputError, match="optimization profile"):
+        TrtSession(plan, read_config(graphs["fp32"]), layout)
+    _closed_clean(device)
+
+
+def test_a_replay_after_its_buffers_are_freed_faults(device, graphs, tmp_path):
+    """The captured decode step keeps its tensor addresses: freed under it, the replay's enqueue faults and the
+    step reports the device error (it does not read or write freed memory)."""
+    sess = runtime.load(_build_folder(tmp_path / "build", graphs["fp32"]), backend="tensorrt")
+    assert sess.cuda_graph_active
+    sess.forward(_prompt(4))
+    device.cudaFree(sess._present[0])
+    sess._buffers.remove(sess._present[0])
+    with pytest.raises(CudaError):  # the copy after the launch, or the synchronize, reports it
+        sess._decode(1)
+    assert device.sticky == cudaError_t.cudaErrorIllegalAddress
+    assert "tensor 'present.0.key'" in device.fault
