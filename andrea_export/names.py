@@ -14,6 +14,7 @@ KV_LAYOUT_KEY = "andrea.kv_layout"  # the decoder's cache layout (kvcache.KVLayo
 PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (passes/gelu_plugin.py)
 
 DECODER_FILE = "decoder.onnx"  # the KV-cache decoder graph's name inside a build folder
+INPLACE_DECODER_FILE = "decoder.inplace.onnx"  # the in-place decoder's (inplace_decoder.py), fp32
 PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (kvcache.optimization_profiles)
 TOKENIZER_FILE = "tokenizer.json"  # a build folder's tokenizer (build --tokenizer), Hugging Face format
 EVAL_TEXT_FILE = "eval.txt"  # a build folder's evaluation text (build --eval-text)

@@ -137,7 +137,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     model = random_init(ANDREA_TINY, seed=0, announce=False)
     doc = bench.run_benchmark(
-        model=model, backends=("torch", "ort-cpu", "trt-native"), quick=True, threads=2,
+        model=model, backends=("torch", "ort-cpu", "ort-cpu-concat", "trt-native"), quick=True, threads=2,
         settings=bench.Settings(warmup=1, warmup_s=0.0, min_repeats=3, max_repeats=3, budget_s=0.0),
         prefill_grid=[(1, 16), (2, 32)], decode_grid=[(1, 15), (2, 15)], generate_grid=[(1, 8, 3)],
         out=out, workdir=out / "cache", quiet=True,
@@ -148,20 +148,36 @@ def run(tmp_path_factory):
 def test_run_rows_and_skips(run):
     doc, _ = run
     assert doc["backends"]["torch"]["status"] == "ok" and doc["backends"]["torch"]["threads"] == 2
-    assert doc["backends"]["ort-cpu"]["status"] == "ok" and doc["backends"]["ort-cpu"]["threads"] == 2
+    for name in ("ort-cpu", "ort-cpu-concat"):
+        assert doc["backends"][name]["status"] == "ok" and doc["backends"][name]["threads"] == 2
+    assert doc["backends"]["ort-cpu"]["decoder_graph"].startswith("decoder.inplace.onnx: in-place cache")
+    assert doc["backends"]["ort-cpu-concat"]["decoder_graph"].startswith("decoder.onnx: standard graph")
     assert doc["backends"]["trt-native"]["status"] == "skipped" and doc["backends"]["trt-native"]["reason"]
     keys = {(r["scenario"], r["backend"], r["batch"], r["seq"], r["past"]) for r in doc["rows"]}
-    for backend in ("torch", "ort-cpu"):
-        assert ("prefill", backend, 2, 32, 0) in keys
+    for backend in ("torch", "ort-cpu", "ort-cpu-concat"):
+        assert ("prefill", backend, 2, 32, 0) in keys or backend == "ort-cpu-concat"
         assert ("decode", backend, 2, 1, 15) in keys
         assert ("generate", backend, 1, 8, 0) in keys
-    assert len(doc["rows"]) == 2 * 5
+    assert "ort-cpu's does" in doc["backends"]["ort-cpu-concat"]["skipped_cases"]["prefill"]  # the same model.onnx
+    assert len(doc["rows"]) == 2 * 5 + 3
     for r in doc["rows"]:
         assert r["n"] == 3
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
         assert r["bound"] in ("memory", "compute") and r["tokens_per_s"] > 0
-    assert len(doc["ratios"]) == 5 and all(q["baseline"] == "torch" and q["speedup"] > 0 for q in doc["ratios"])
+    pairs = [(q["baseline"], q["backend"]) for q in doc["ratios"]]  # every pair of a case, the earlier as baseline
+    assert pairs == [("torch", "ort-cpu")] * 2 + [("torch", "ort-cpu"), ("torch", "ort-cpu-concat"),
+                                                  ("ort-cpu", "ort-cpu-concat")] * 3  # fmt: skip
+    assert all(q["speedup"] > 0 for q in doc["ratios"])
+    concat = {(r["scenario"], r["batch"]): r for r in doc["rows"] if r["backend"] == "ort-cpu-concat"}
+    ours = {(r["scenario"], r["batch"]): r for r in doc["rows"] if r["backend"] == "ort-cpu"}
+    assert [(g["scenario"], g["batch"]) for g in doc["inplace"]] == list(concat) == [("decode", 1), ("decode", 2),
+                                                                                     ("generate", 1)]  # fmt: skip
+    for g in doc["inplace"]:  # the in-place gain: concat time / in-place time, paired by round
+        key = (g["scenario"], g["batch"])
+        assert g["time_ratio"] == concat[key]["x_ours"] > 0
+        assert (g["concat_ms"], g["inplace_ms"]) == (concat[key]["median_ms"], ours[key]["median_ms"])
+    assert doc["inplace"] == bench_report.inplace_gain(doc)
     m = doc["machine"]
     assert m["bandwidth_GBps"] > 0 and m["matmul_GFLOPs"] > 0 and m["threads"] == 2
     assert len(m["measurements"]) == 2  # at the start and at the end; the best of each figure counts
@@ -182,13 +198,48 @@ def test_same_inputs_same_outputs(run):
     assert ids.shape == (2, 1) and mask.shape == (2, 6) and past[0].shape == (2, cfg.n_head, 5, cfg.head_dim)
     ctx = bench.Context(random_init(cfg, seed=0, announce=False), 1, run[1] / "cache")  # the run's cached exports
     assert ctx.fingerprint == run[0]["weights"]["fingerprint"]
-    t, o = bench.TorchBackend(), bench.OrtBackend()
-    t.setup(ctx), o.setup(ctx)
+    t, o, c = bench.TorchBackend(), bench.OrtBackend(), bench.OrtBackend(cache="concat")
+    t.setup(ctx), o.setup(ctx), c.setup(ctx)
     logits_t = t.decode(ids, mask, past)()[0].numpy()
     logits_o = o.decode(ids, mask, past)().copy_outputs_to_cpu()[0]
     np.testing.assert_allclose(logits_t, logits_o, atol=1e-4, rtol=1e-4)
     assert np.array_equal(t.generate(ids, 3)().numpy(), o.generate(ids, 3)())  # runtime.OrtSession, batched
     assert t.generate(ids[:1], 3)().numpy().tolist() == o.generate(ids[:1], 3)()
+    assert c.generate(ids, 3)() == o.generate(ids, 3)()  # the two decoder graphs through the runtime's loop
+
+
+def test_inplace_decode_step_is_the_standard_step(run):
+    """ort-cpu's decode step on the in-place graph: the same logits as the standard graph's (ort-cpu-concat)
+    on the same past, its cache buffers (capacity P + 1) are the bound outputs themselves, holding the
+    past and, at row P, the new token's keys and values; a second call writes row P again (same work)."""
+    from andrea_export.checkpoint import random_init
+
+    cfg = ANDREA_TINY
+    ctx = bench.Context(random_init(cfg, seed=0, announce=False), 1, run[1] / "cache")
+    inplace, concat = bench.OrtBackend(), bench.OrtBackend(cache="concat")
+    assert (inplace.name, inplace.cache, concat.name) == ("ort-cpu", "inplace", "ort-cpu-concat")
+    inplace.setup(ctx), concat.setup(ctx)
+    for batch, P in ((1, 1), (2, 15)):
+        ids, mask, past = bench._inputs(cfg, "decode", batch, 1, P, seed=1)
+        want = concat.decode(ids, mask, past)().copy_outputs_to_cpu()  # logits, then present [B, H, P + 1, D] each
+        step = inplace.decode(ids, mask, past)
+        binding = step()
+        got = binding.copy_outputs_to_cpu()
+        np.testing.assert_allclose(got[0], want[0], atol=1e-4, rtol=1e-4)
+        assert [v.data_ptr() for v in binding.get_outputs()[1:]] == [v.data_ptr() for v in step.cache]  # in place
+        for buf, present, p in zip(got[1:], want[1:], past):
+            assert buf.shape == present.shape == (batch, cfg.n_head, P + 1, cfg.head_dim)
+            assert np.array_equal(buf[:, :, :P], p)  # the past, untouched
+            np.testing.assert_allclose(buf[:, :, P], present[:, :, P], atol=1e-5, rtol=1e-5)  # the new row
+        assert np.array_equal(step().copy_outputs_to_cpu()[0], got[0])
+
+
+def test_which_graph_each_ort_backend_runs():
+    cpu, concat, cuda = bench.make_backends(["ort-cpu", "ort-cpu-concat", "ort-cuda"])
+    assert (cpu.cache, concat.cache, cuda.cache) == ("inplace", "concat", "concat")
+    assert "ort-cpu-concat" in bench.DEFAULT_BACKENDS
+    with pytest.raises(ValueError, match="no float32 kernels"):  # ORT's CUDA GroupQueryAttention
+        bench.OrtBackend("CUDAExecutionProvider", cache="inplace")
 
 
 def test_json_round_trip(run):
@@ -213,6 +264,9 @@ def test_csv_and_markdown_written(run):
     md = (out / "bench.md").read_text()
     assert "| backend | shape | median ms" in md and "## Goals" in md and "trt-native" in md
     assert md.count("| torch | B=") == 5  # one row per case in the result tables
+    assert "## The in-place cache: `ort-cpu-concat` (standard decoder) time / `ort-cpu` (in-place decoder)" in md
+    for g in doc["inplace"]:
+        assert f"| {g['scenario']} | {bench_report._shape(g)} | {bench_report._fmt(g['concat_ms'])} |" in md
 
 
 def test_png_plots_written(run):
@@ -232,7 +286,7 @@ def test_compare_ratios(run):
         r["median_ms"] = r["median_ms"] * (0.5 if r["backend"] == "ort-cpu" else 2.0)
     b["rows"] = [r for r in b["rows"] if r["scenario"] != "generate"]  # rows only in A are left out
     rows = bench_report.compare(doc, b)
-    assert len(rows) == 8
+    assert len(rows) == 10
     for r in rows:
         assert r["ratio"] == pytest.approx(0.5 if r["backend"] == "ort-cpu" else 2.0)
     assert "| prefill | torch |" in bench_report.compare_markdown(rows)

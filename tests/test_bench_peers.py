@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import sys
 
 import numpy as np
@@ -68,10 +69,12 @@ def test_optimum_computes_what_ours_does(ctx, graph):
 
 
 def test_genai_computes_what_ours_does(ctx):
-    """onnxruntime-genai on the build folder layout (decoder.onnx + the genai_config.json build writes):
-    its prefill leaves our last-token logits, its greedy tokens are ours; a decode step has no call."""
+    """onnxruntime-genai on the build folder layout (decoder.inplace.onnx + the genai_config.json build
+    writes): its prefill leaves our last-token logits, its greedy tokens are ours; a decode step has no call."""
     ours, peer = _ready(bench.OrtBackend(), ctx), _ready(bench.GenaiBackend(), ctx)
-    assert (ctx.decoder_onnx().parent / "genai_config.json").is_file()
+    config = json.loads((ctx.inplace_decoder_onnx().parent / "genai_config.json").read_text())
+    assert config["model"]["decoder"]["filename"] == "decoder.inplace.onnx"  # the in-place graph, as a build's
+    assert config["search"]["past_present_share_buffer"] is True  # genai's one cache buffer, written in place
     (ids,) = bench._inputs(ctx.cfg, "prefill", 2, 16, 0, seed=0)
     want = ours.prefill(ids)().copy_outputs_to_cpu()[0][:, -1]
     got = np.asarray(peer.prefill(ids)().get_logits()).reshape(want.shape)

@@ -24,7 +24,9 @@ schema) and writes JSON, CSV, Markdown and PNG plots when given `out`.
 
 The peers (what users would run instead: Optimum's own export of the same weights, onnxruntime-genai on
 the build folder) run in the same rounds with the same session options and are reported as their time
-over ours (`ort-cpu`), per case (`x_ours` on every row; the document's "peers" section).
+over ours (`ort-cpu`), per case (`x_ours` on every row; the document's "peers" section). `ort-cpu` runs
+the in-place decoder, as the runtime gives the CPU provider; `ort-cpu-concat` runs the standard one, so a
+run shows the in-place cache's gain (the document's "inplace" section).
 
 The package, each part readable on its own:
 
@@ -32,7 +34,7 @@ The package, each part readable on its own:
     machine.py   the machine's limits (bandwidth, matmul rate) and the environment
     work.py      scenarios, grids, FLOPs/bytes of the work, floors, the shared inputs
     backends/    one module per backend (base.py: the interface and the shared Context): mem, pytorch,
-                 ort, tensorrt, and the peers optimum and genai
+                 ort (ort-cpu, ort-cpu-concat, ort-cuda), tensorrt, and the peers optimum and genai
     goals.py     the goals, reported never asserted
     run.py       run_benchmark: one run from cases to the result document
     report.py    the result document's schema: JSON, CSV, Markdown, plots, compare

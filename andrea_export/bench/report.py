@@ -11,6 +11,7 @@ The document (schema_version 1):
       "backends": {name: {"status": "ok" | "skipped" | "failed", "reason", ...}},
       "rows": [ROW, ...], "ratios": [RATIO, ...], "goals": [GOAL, ...],
       "peers": {"ours", "ratios": [PEER, ...], "skipped": [{"peer", "scenario", "reason"}, ...]},
+      "inplace": [GAIN, ...],
       "warnings": [str, ...], "failed_cases": [{"case", "backends", "error"}, ...],
       "loadavg_end": [1, 5, 15-minute load averages]
     }
@@ -24,6 +25,9 @@ The document (schema_version 1):
     GOAL  = {"name", "target", "value", "met" (bool or null when not measured), "detail"}
     PEER  = {"scenario", "batch", "seq", "past", "new_tokens", "peer", "peer_ms", "ours_ms", "time_ratio"}
             time_ratio = the peer row's x_ours (> 1: ours is faster); peers are what users run instead
+    GAIN  = {"scenario", "batch", "seq", "past", "new_tokens", "concat_ms", "inplace_ms", "time_ratio"}
+            what the in-place cache gains: time_ratio = the CONCAT row's x_ours (ours on the standard,
+            concatenating decoder over ours on the in-place one, paired by round; > 1: in-place is faster)
 
 Rows are matched across runs by ROW_KEY.
 """
@@ -47,6 +51,7 @@ CSV_FIELDS = (
     "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer",
 )  # fmt: skip
 OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it
+CONCAT = "ort-cpu-concat"  # ours on the standard decoder (OURS runs the in-place one)
 PEERS = ("optimum", "genai", "optimum-hf-folder")
 REQUIRED_TOP = ("schema_version", "kind", "config", "settings", "environment", "machine", "backends", "rows")
 
@@ -119,6 +124,19 @@ def peers(doc: dict) -> dict:
         for scen, reason in b.get("skipped_cases", {}).items():
             skipped.append({"peer": name, "scenario": scen, "reason": reason})
     return {"ours": OURS, "ratios": ratios, "skipped": skipped}
+
+
+def inplace_gain(doc: dict) -> list[dict]:
+    """Per case that both ran: ours on the standard (concatenating) decoder over ours on the in-place one."""
+    case = ("scenario", "batch", "seq", "past", "new_tokens")
+    ours = {tuple(r[k] for k in case): r for r in doc["rows"] if r["backend"] == OURS}
+    out = []
+    for r in doc["rows"]:
+        o = ours.get(tuple(r[k] for k in case))
+        if r["backend"] == CONCAT and o is not None and r.get("x_ours") is not None:
+            out.append({**{k: r[k] for k in case}, "concat_ms": r["median_ms"], "inplace_ms": o["median_ms"],
+                        "time_ratio": r["x_ours"]})  # fmt: skip
+    return out
 
 
 # ---------------------------------------------------------------- CSV and Markdown
@@ -210,6 +228,15 @@ def to_markdown(doc: dict) -> str:
             out.append("")
         for s in pe["skipped"]:
             out.append(f"- `{s['peer']}` not run ({s['scenario']}): {s['reason']}")
+        out.append("")
+    gain = doc.get("inplace") or inplace_gain(doc)
+    if gain:
+        out += [f"## The in-place cache: `{CONCAT}` (standard decoder) time / `{OURS}` (in-place decoder), "
+                "paired by round; > 1 means in-place is faster", "",
+                "| scenario | shape | concat ms | in-place ms | concat / in-place |", "|---|---|---:|---:|---:|"]  # fmt: skip
+        for q in gain:
+            out.append(f"| {q['scenario']} | {_shape(q)} | {_fmt(q['concat_ms'])} | {_fmt(q['inplace_ms'])} | "
+                       f"{_fmt(q['time_ratio'])} |")  # fmt: skip
         out.append("")
     if doc.get("ratios"):
         out += ["## Speedups (per-iteration median of t_baseline / t_backend; > 1 means faster)", "",

@@ -20,7 +20,7 @@ from .backends import BACKENDS, DEFAULT_BACKENDS, Backend, Context, Unavailable,
 from .goals import goals, print_summary
 from .harness import Settings, Stats, cuda_event_timer, ratio_median, run_interleaved
 from .machine import _load_warnings, _loadavg, combine_limits, environment, measure_machine
-from .report import KIND, OURS, SCHEMA_VERSION, peers, write_outputs
+from .report import KIND, OURS, SCHEMA_VERSION, inplace_gain, peers, write_outputs
 from .work import (
     DECODE_GRID,
     GENERATE_GRID,
@@ -221,6 +221,7 @@ def run_benchmark(
                      "were disturbed, or a large square matmul understates this machine's rate for these shapes")  # fmt: skip
     doc["warnings"] = notes
     doc["peers"] = peers(doc)
+    doc["inplace"] = inplace_gain(doc)
     doc["goals"] = goals(doc)
     if tmp is not None:
         tmp.cleanup()

@@ -45,7 +45,9 @@ def forward_bytes(cfg: ModelConfig, batch: int, new: int, past: int = 0, write_k
                   dtype_bytes: int = 4) -> int:  # fmt: skip
     """Bytes a forward pass must move at least once: every weight it uses (all of them, except the
     position rows it does not look up), the past KV cache read, the new tokens' K/V written (if the graph
-    returns a cache) and the logits written."""
+    returns a cache) and the logits written. That is exactly the in-place decoder's step (the filled cache
+    read once, the new rows written where they belong); a concatenating graph also copies the past into
+    its present, which is avoidable, so not counted."""
     C, L = cfg.n_embd, cfg.n_layer
     used_positions = min(past + new, cfg.n_positions)
     weights = (cfg.n_params - (cfg.n_positions - used_positions) * C) * dtype_bytes

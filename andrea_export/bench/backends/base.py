@@ -14,6 +14,7 @@ import torch
 
 from ...errors import AndreaExportError
 from ...model import Andrea
+from ...names import DECODER_FILE, INPLACE_DECODER_FILE
 from ..harness import Timer, cpu_timer
 
 
@@ -50,7 +51,16 @@ class Context:
             from ...kvcache import export_decoder_onnx
         except ImportError as e:
             raise Unavailable(f"no KV-cache decoder export in this andrea-export ({e})") from None
-        return self.cached("decoder.onnx", lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
+        return self.cached(DECODER_FILE, lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
+
+    def inplace_decoder_onnx(self) -> Path:
+        """The in-place KV-cache decoder (inplace_decoder.py), beside decoder.onnx under the name a build
+        gives it: what ONNX Runtime's CPU provider and onnxruntime-genai run."""
+        try:
+            from ...inplace_decoder import export_inplace_decoder
+        except ImportError as e:
+            raise Unavailable(f"no in-place decoder export in this andrea-export ({e})") from None
+        return self.cached(INPLACE_DECODER_FILE, lambda p: export_inplace_decoder(self.model, p, quiet=self.quiet))
 
 
 def _exporter_fingerprint() -> str:
@@ -58,7 +68,7 @@ def _exporter_fingerprint() -> str:
     reuses a stale cached file."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parents[2]  # andrea_export/
-    for f in ("model.py", "export.py", "kvcache.py"):
+    for f in ("model.py", "export.py", "kvcache.py", "inplace_decoder.py", "graphs.py"):
         with contextlib.suppress(OSError):
             h.update((here / f).read_bytes())
     h.update(torch.__version__.encode())

@@ -1,7 +1,10 @@
 """The peer that runs our build folder as it is: onnxruntime-genai (`og.Model(folder)`), reading the
-`genai_config.json` the build writes beside `decoder.onnx` (`andrea_export/genai.py`), with the session's
-threads overlaid so that they match ours (genai_config.json has no key for ORT's spin-waiting; genai's
-own choice stands, and the report says so).
+`genai_config.json` the build writes (`andrea_export/genai.py`), which points genai at the in-place
+decoder `decoder.inplace.onnx` (inplace_decoder.py; `past_present_share_buffer` set from its layout:
+genai allocates the cache once and the graph writes it in place), with the session's threads overlaid so
+that they match ours (genai_config.json has no key for ORT's spin-waiting; genai's own choice stands, and
+the report says so). The prompts of a batch are of equal length: no padding (that graph pads on the
+right, genai's shared-buffer rule).
 
 Scenarios: prefill (a fresh generator and `append_tokens(prompt)`: the prompt through the graph, the
 cache kept) and generate (greedy, exactly `new_tokens` tokens). One decode step on a given past cache has
@@ -17,6 +20,7 @@ import json
 import numpy as np
 
 from .base import Backend, Unavailable
+from .ort import CACHES
 
 
 class GenaiBackend(Backend):
@@ -35,14 +39,14 @@ class GenaiBackend(Backend):
         return {"threads": ctx.threads, "inter_op_threads": 1, "provider": "cpu", "graph_optimization": "ORT_ENABLE_ALL",
                 "spin_wait": "onnxruntime-genai's own (genai_config.json cannot set it)",
                 "config": "genai_config.json as the build writes it, session threads overlaid",
+                "decoder_graph": CACHES["inplace"],
                 "version": getattr(og, "__version__", None)}  # fmt: skip
 
     def prepare(self, scenarios):
-        from ...genai import GENAI_CONFIG, write_genai_config
+        from ...genai import write_genai_config
 
-        decoder = self.ctx.decoder_onnx()
-        if not (decoder.parent / GENAI_CONFIG).is_file():
-            write_genai_config(decoder)  # what `build` writes beside its decoder
+        decoder = self.ctx.inplace_decoder_onnx()
+        write_genai_config(decoder)  # what `build` writes (always afresh: the config follows genai.py, not the cache)
         config = self.og.Config(str(decoder.parent))
         threads = {"intra_op_num_threads": self.ctx.threads, "inter_op_num_threads": 1,
                    "graph_optimization_level": "ORT_ENABLE_ALL"}  # fmt: skip

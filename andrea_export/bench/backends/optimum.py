@@ -50,7 +50,7 @@ class OptimumBackend(OrtBackend):
     writes it, so that only Optimum's loop differs from ours (its generate against ours)."""
 
     def __init__(self, spin: bool = False, graph: str = "optimum"):
-        super().__init__("CPUExecutionProvider", spin=spin)
+        super().__init__("CPUExecutionProvider", spin=spin, cache="concat")
         if graph not in ("optimum", "ours"):
             raise ValueError(f"graph must be 'optimum' or 'ours', not {graph!r}")
         self.graph = graph
@@ -71,6 +71,8 @@ class OptimumBackend(OrtBackend):
         exporter = f"optimum main_export, task {TASK}" if self.graph == "optimum" else "ours: export --hf-folder"
         info.update(io_binding="prefill/decode: bound as ours; generate: ORTModelForCausalLM's own",
                     exporter=exporter, versions=_versions())  # fmt: skip
+        if self.graph == "optimum":
+            info["decoder_graph"] = "Optimum's model.onnx (prefill and decode; each step concatenates the cache)"
         return info
 
     def prepare(self, scenarios):

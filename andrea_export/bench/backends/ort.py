@@ -26,20 +26,42 @@ def session_options(threads: int, spin: bool = False):
     return so
 
 
+CACHES = {  # the KV-cache decoder a backend runs -> what the report says about it
+    "inplace": "decoder.inplace.onnx: in-place cache (GroupQueryAttention; past and present one buffer per "
+               "layer and kind, bound once)",
+    "concat": "decoder.onnx: standard graph (each step concatenates the past and the new token into a new present)",
+}
+
+
 class OrtBackend(Backend):
     """ONNX Runtime with IO binding: CPU EP (intra_op_num_threads = threads, inter_op 1, sequential) or CUDA EP.
+
+    `cache`: the KV-cache decoder that decode and generate run, as a user gets it (`runtime.load`):
+    "inplace" (inplace_decoder.py) on the CPU provider, "concat" (kvcache.py) on the CUDA provider, whose
+    GroupQueryAttention has no float32 kernels. `ort-cpu-concat` is the CPU provider on the standard graph,
+    so that a run shows what the in-place cache gains. Prefill runs the plain `model.onnx` either way.
 
     `spin`: whether ORT's pool threads spin-wait between ops (ORT's default is to spin). Off by default
     here, because spinning threads left over from one backend's call steal the cores of the next one in
     an interleaved run; the setting is recorded."""
 
-    def __init__(self, provider: str = "CPUExecutionProvider", spin: bool = False):
+    def __init__(self, provider: str = "CPUExecutionProvider", spin: bool = False, cache: str | None = None):
         self.provider = provider
         self.spin = spin
         self.cuda = provider == "CUDAExecutionProvider"
-        self.name = "ort-cuda" if self.cuda else "ort-cpu"
+        self.cache = cache or ("concat" if self.cuda else "inplace")
+        if self.cache not in CACHES:
+            raise ValueError(f"cache must be one of {', '.join(CACHES)}, not {cache!r}")
+        if self.cuda and self.cache == "inplace":
+            raise ValueError("ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels: the CUDA provider "
+                             "runs the standard decoder")  # fmt: skip
+        self.name = "ort-cuda" if self.cuda else "ort-cpu" if self.cache == "inplace" else "ort-cpu-concat"
         self.device = "cuda" if self.cuda else "cpu"
         self._sessions = {}
+
+    @property
+    def inplace(self) -> bool:
+        return self.cache == "inplace"
 
     def check(self):
         try:
@@ -56,10 +78,15 @@ class OrtBackend(Backend):
         self.ctx = ctx
         self.options = session_options(ctx.threads, self.spin)
         return {"threads": ctx.threads, "inter_op_threads": 1, "provider": self.provider, "spin_wait": self.spin,
-                "graph_optimization": "ORT_ENABLE_ALL", "io_binding": True}  # fmt: skip
+                "graph_optimization": "ORT_ENABLE_ALL", "io_binding": True, "decoder_graph": CACHES[self.cache]}  # fmt: skip
+
+    @property
+    def _same_prefill(self) -> bool:
+        """ort-cpu-concat: its prefill would be ort-cpu's (the same model.onnx), so it is not timed twice."""
+        return self.name == "ort-cpu-concat"
 
     def prepare(self, scenarios):
-        if "prefill" in scenarios:
+        if "prefill" in scenarios and not self._same_prefill:
             self.session("prefill")
         if "decode" in scenarios or "generate" in scenarios:
             try:
@@ -73,9 +100,12 @@ class OrtBackend(Backend):
         if role == "decode" and getattr(self, "_missing", None):
             raise Unavailable(self._missing)
         if role not in self._sessions:
-            path = self.ctx.prefill_onnx() if role == "prefill" else self.ctx.decoder_onnx()
+            path = self.ctx.prefill_onnx() if role == "prefill" else self._decoder_onnx()
             self._sessions[role] = ort.InferenceSession(str(path), self.options, providers=[self.provider])
         return self._sessions[role]
+
+    def _decoder_onnx(self):
+        return self.ctx.inplace_decoder_onnx() if self.inplace else self.ctx.decoder_onnx()
 
     def _bound(self, sess, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
         import onnxruntime as ort
@@ -99,6 +129,8 @@ class OrtBackend(Backend):
         return run
 
     def prefill(self, ids):
+        if self._same_prefill:
+            raise Unavailable("prefill runs the plain model.onnx, as ort-cpu's does: timed there only")
         sess = self.session("prefill")
         return self._bound(sess, {sess.get_inputs()[0].name: ids})
 
@@ -107,8 +139,44 @@ class OrtBackend(Backend):
 
         sess = self.session("decode")
         layout = kv_layout(self.ctx.cfg)
+        if self.inplace:
+            return self._decode_inplace(sess, ids, mask, past, layout)
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, **dict(zip(layout.past_names, past))}
         return self._bound(sess, feeds)
+
+    def _decode_inplace(self, sess, ids, mask, past, layout):
+        """One step on the in-place graph (CPU) after a past of P tokens: the past copied once (here, not in
+        the timed call) into buffers of capacity P + 1, each bound as both its past input and its present
+        output; the mask (ones [B, P + 1]) says each row holds P + 1 tokens, so every call writes position
+        P again and does the same work."""
+        import onnxruntime as ort
+
+        from ...names import ATTENTION_MASK, INPUT_IDS, LOGITS
+
+        B, P = ids.shape[0], past[0].shape[2]
+        if ids.shape[1] != 1 or mask.shape != (B, P + 1) or not (mask == 1).all():
+            raise ValueError(f"decode: one new token per row after a full past of {P} (mask of ones [{B}, {P + 1}])")
+        buffers = []
+        for p in past:
+            buf = np.zeros((B, layout.n_head, P + 1, layout.head_dim), p.dtype)  # row P: the step writes it
+            buf[:, :, :P] = p
+            buffers.append(ort.OrtValue.ortvalue_from_numpy(buf))  # CPU: buf's own memory, no copy
+        ids, mask = np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=np.int64)
+        binding = sess.io_binding()
+        binding.bind_cpu_input(INPUT_IDS, ids)
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        binding.bind_output(LOGITS, "cpu")  # first: outputs come back in binding order
+        for past_name, present_name, buf in zip(layout.past_names, layout.present_names, buffers):
+            binding.bind_ortvalue_input(past_name, buf)
+            binding.bind_ortvalue_output(present_name, buf)
+        keep = (ids, mask, buffers)
+
+        def run():  # the binding: .copy_outputs_to_cpu() gives logits, then each buffer [B, n_head, P + 1, head_dim]
+            sess.run_with_iobinding(binding)
+            return binding if keep else None
+
+        run.cache = buffers  # the OrtValues bound as past and present (tests check the outputs are these)
+        return run
 
     def generate(self, prompt, new_tokens):
         """Greedy, through the product's own loop (runtime.OrtSession: one batched call for all rows) on this
@@ -117,13 +185,16 @@ class OrtBackend(Backend):
         return lambda: rs.generate(prompts, new_tokens)
 
     def _runtime_session(self, sess):
-        """andrea_export.runtime's OrtSession wrapped around our session (same file, same options)."""
+        """andrea_export.runtime's OrtSession wrapped around our session (same file, same options): on the
+        in-place graph it steps over one preallocated buffer per layer and kind, as a user's call does."""
         if not hasattr(self, "_rs"):
             from ...graphs import kv_layout
+            from ...inplace_decoder import inplace_layout
             from ...runtime.ort import OrtSession
 
+            layout = inplace_layout(kv_layout(self.ctx.cfg)) if self.inplace else kv_layout(self.ctx.cfg)
             # the runtime loads the graph with its own options; swap in ours (threads, no spinning)
-            self._rs = OrtSession(self.ctx.decoder_onnx(), self.ctx.cfg, kv_layout(self.ctx.cfg),
-                                  providers=[self.provider], intra_op_threads=self.ctx.threads)  # fmt: skip
+            self._rs = OrtSession(self._decoder_onnx(), self.ctx.cfg, layout, providers=[self.provider],
+                                  intra_op_threads=self.ctx.threads)  # fmt: skip
             self._rs.session = sess
         return self._rs
