@@ -202,17 +202,26 @@ def test_a_toml_cannot_aim_the_build_elsewhere(scene):
 # ---- a build folder's files: tampered in place ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("victim", ["model.onnx", "decoder.onnx", "decoder.inplace.onnx", "decoder.plan", "model.plan.json",
-                                    "weights.fp32.data"])
+# what generate reads, per backend (a build with the in-place decoder, which ONNX Runtime on the CPU runs)
+READS = {"tensorrt": {"decoder.onnx", "decoder.plan", "decoder.plan.json", "weights.fp32.data"},
+         "onnxruntime": {"decoder.inplace.onnx", "weights.fp32.data"}}
+
+
+@pytest.mark.parametrize("victim", ["model.onnx", "decoder.onnx", "decoder.inplace.onnx", "decoder.plan", "decoder.plan.json",
+                                    "model.plan.json", "weights.fp32.data"])
 def test_one_flipped_byte_is_caught_by_every_command(scene, victim):
     """Same size, one byte different: only the sha256 tells (a size check alone must not be enough)."""
     flip_one_byte(scene.evil / victim)
     with untouched(scene):
         cli("inspect", scene.evil, says=("CHANGED", victim))
         cli("verify", scene.evil, says=(victim, "changed since the build"))
-        if victim != "decoder.onnx" and victim.startswith(("decoder", "weights")):  # what generate runs (ONNX Runtime:
-            # the in-place decoder, not decoder.onnx) and the weights it points into
-            cli("generate", scene.evil, "--prompt-ids", "1,2", says=(victim, "changed since the build"))
+        # generate checks every file the chosen backend reads (TensorRT's before TensorRT or the missing GPU
+        # is looked at), and hashes no other: ONNX Runtime runs beside a changed engine or standard graph
+        for backend, reads in READS.items():
+            if victim in reads:
+                cli("generate", scene.evil, "--prompt-ids", "1,2", "--backend", backend, says=(victim, "changed since the build"))
+            elif backend == "onnxruntime" and victim.startswith("decoder"):
+                cli("generate", scene.evil, "--prompt-ids", "1,2", "--backend", backend, code=0)
     if victim in ("model.onnx", "weights.fp32.data"):  # package copies the graph and the weights it points into
         pytest.importorskip("tritonclient.grpc.model_config_pb2")
         with untouched(scene, inside=scene.root / "repo"):
