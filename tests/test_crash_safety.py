@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 def stage_new_build(source: Path):
     """A stand-in for pipeline._build_into: every artifact of `source` except the decoder's, changed."""
 
-    def build_into(tmp, out, opts, model, builder, profiles, timing_cache):
+    def build_into(tmp, out, opts, model, builder, profiles, timing_cache, evaluation):
         m = json.loads((source / "manifest.json").read_text())
         names = {role: a["path"] for role, a in m["artifacts"].items() if not role.startswith("decoder")}
         for name in names.values():
