@@ -117,7 +117,8 @@ def export(checkpoint, config, seed, out, opset, hf_folder):
     """
     from .checkpoint import load_model
     from .config import load_config
-    from .export import check_onnx, export_onnx, op_counts
+    from .export import export_onnx, op_counts
+    from .graphs import check_onnx
 
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
     if hf_folder:

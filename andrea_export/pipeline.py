@@ -22,7 +22,7 @@ from pathlib import Path
 from . import __version__
 from .artifacts import locked_folder, sha256_file, update_folder, write_text_atomic
 from .buildfolder import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest
-from .buildfolder import changed_artifacts as verify_artifact_hashes
+from .buildfolder import changed_artifacts
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
@@ -509,7 +509,8 @@ def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: 
 
 def _engine_blocker(plan: Path, info: dict) -> str | None:
     """Why the engine `plan` (described by its sidecar `info`) cannot run here, or None when it can."""
-    from .build import check_engine_compat, gpu_compute_capability
+    from .build import check_engine_compat
+    from .errors import gpu_compute_capability
 
     if gpu_compute_capability() is None:
         targets = ", ".join(info["compute_capabilities"])
@@ -574,7 +575,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
     folder = Path(folder)
     with locked_folder(folder):  # no build may replace it meanwhile
         m = read_manifest(folder)
-        altered = verify_artifact_hashes(folder, m)
+        altered = changed_artifacts(folder, m)
         if altered:
             raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
         cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
@@ -631,7 +632,7 @@ def _environment() -> dict:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
             pass
-    from .build import gpu_compute_capability
+    from .errors import gpu_compute_capability
 
     return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "gpu_compute_capability": gpu_compute_capability(), "packages": versions}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -27,9 +28,7 @@ pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) build
 
 TINY_BUILD = ["--config", "andrea-tiny", "--builder", "tensorrt-rtx"]
 try:
-    import tritonclient.grpc.model_config_pb2  # noqa: F401  (the 'triton' extra: `package`)
-
-    TRITON = True
+    TRITON = bool(importlib.import_module("tritonclient.grpc.model_config_pb2"))  # the 'triton' extra: `package`
 except ImportError:
     TRITON = False
 
@@ -429,7 +428,7 @@ def test_install_hints_keep_their_extras(capsys):
 
 
 def test_tensorrt_backend_without_a_gpu_says_so(scene):
-    from andrea_export.build import gpu_compute_capability
+    from andrea_export.errors import gpu_compute_capability
 
     if gpu_compute_capability() is not None:
         pytest.skip("this machine has a GPU: the message is for machines without one")
@@ -448,7 +447,7 @@ def test_sidecars_name_the_final_files_and_the_real_targets(scene):
     assert ".staging" not in (scene.evil / "model.plan.json").read_text()
     assert ".staging" not in (scene.evil / "decoder.plan.json").read_text()
     reasons = [s["reason"] for s in scene.manifest()["verification"]["skipped"]]
-    from andrea_export.build import gpu_compute_capability
+    from andrea_export.errors import gpu_compute_capability
 
     if gpu_compute_capability() is None:
         assert reasons and all("8.0, 8.6, 8.9, 12.0" in r and "7.5" not in r for r in reasons), reasons
