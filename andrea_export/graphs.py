@@ -186,8 +186,14 @@ def check_decoder_onnx(path: str | Path) -> KVLayout:
     return _check_decoder(check_onnx(path), path)
 
 
-def read_decoder(path: str | Path) -> tuple[ModelConfig, KVLayout, dict[str, str]]:
-    """(model config, checked KV layout, metadata) of a decoder graph, from one check of the file (a runtime's load)."""
+def read_decoder(path: str | Path) -> tuple[ModelConfig, KVLayout]:
+    """(model config, checked KV layout) of a decoder graph, from one check of the file."""
+    return read_decoder_meta(path)[:2]
+
+
+def read_decoder_meta(path: str | Path) -> tuple[ModelConfig, KVLayout, dict[str, str]]:
+    """(model config, checked KV layout, metadata) of a decoder graph, from one check of the file (a
+    runtime's load, which also reads the recorded weight source)."""
     proto = check_onnx(path)
     layout = _check_decoder(proto, path)
     meta = metadata_of(proto)

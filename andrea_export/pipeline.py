@@ -500,7 +500,7 @@ def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: 
 
     graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
     prompt = list(range(1, 9))
-    cfg, layout, _ = read_decoder(graph)  # one check of the graph
+    cfg, layout = read_decoder(graph)  # one check of the graph
     with TrtSession(folder / artifacts["decoder_engine"], cfg, layout) as sess:
         greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **TOLERANCES[precision])
     greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..buildfolder import MANIFEST
 from ..errors import installed
-from ..graphs import read_decoder
+from ..graphs import read_decoder_meta
 from ..names import DECODER_FILE, TOKENIZER_FILE
 from .base import InputError, Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
@@ -121,7 +121,7 @@ def load(
         backend_graph = backend
     onnx_path, engine = _resolve(path, backend_graph, manifest)
     # one check of the graph; ExportError with a clear message for a graph without the KV layout
-    cfg, layout, meta = read_decoder(onnx_path)
+    cfg, layout, meta = read_decoder_meta(onnx_path)
     if backend == "tensorrt":
         if engine is None:
             raise InputError(
