@@ -35,7 +35,7 @@ import onnx
 from .artifacts import atomic_path, sha256_file, write_text_atomic
 from .buildfolder import inside, metadata_json, read_engine_info
 from .config import ModelConfig
-from .errors import BuildError, ConfigError, ExportError, MissingDependency, gpu_compute_capability, installed, require  # noqa: F401
+from .errors import BuildError, ConfigError, ExportError, MissingDependency, gpu_compute_capability, installed, require
 from .external_data import external_data_files
 from .names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from .progress import console, warn

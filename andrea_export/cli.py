@@ -117,7 +117,8 @@ def export(checkpoint, config, seed, out, opset, hf_folder):
     """
     from .checkpoint import load_model
     from .config import load_config
-    from .export import check_onnx, export_onnx, op_counts
+    from .export import export_onnx, op_counts
+    from .graphs import check_onnx
 
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
     if hf_folder:
@@ -305,19 +306,13 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
     the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
     """
-    from .triton import read_manifest, write_triton_repo
-    from .triton_decoder import write_triton_decoder
+    from .triton import package as write_package
 
-    model_dir = write_triton_repo(
-        build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
-        dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us, instances=instances, kind=kind,
-        overwrite=overwrite, allow_failed=allow_failed, hardlink=not copy_files,
-    )
-    click.echo(model_dir)
-    if "decoder_onnx" in read_manifest(build_dir)["artifacts"]:
-        click.echo(write_triton_decoder(build_dir, repo, name=f"{name}-decoder" if name else None, backend=backend,
-                                        instances=instances, kind=kind, overwrite=overwrite,
-                                        allow_failed=allow_failed, hardlink=not copy_files))
+    for model_dir in write_package(build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
+                                   dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us,
+                                   instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
+                                   hardlink=not copy_files):
+        click.echo(model_dir)
 
 
 @main.command()

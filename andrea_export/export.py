@@ -19,7 +19,7 @@ import torch
 
 from .artifacts import staging
 from .errors import ExportError
-from .graphs import check_onnx, read_config, read_metadata  # noqa: F401  (moved to graphs.py; importable from here)
+from .graphs import check_onnx
 from .model import Andrea
 from .names import CONFIG_KEY, INPUT_IDS, LOGITS, WEIGHTS_KEY
 from .progress import step

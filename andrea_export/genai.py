@@ -57,12 +57,10 @@ def genai_config(decoder_onnx: str | Path, *, eos_token_id: int | list[int] | No
         bos_token_id, pad_token_id: default: the first end token.
         provider: "cpu" (none listed: genai's default), "cuda", "NvTensorRtRtx" or "dml".
     """
-    from .export import read_config
-    from .kvcache import check_decoder_onnx
+    from .graphs import read_decoder
 
     decoder_onnx = Path(decoder_onnx)
-    layout = check_decoder_onnx(decoder_onnx)  # the graph's I/O is exactly the recorded layout
-    cfg = read_config(decoder_onnx)
+    cfg, layout = read_decoder(decoder_onnx)  # one check; the graph's I/O is exactly the recorded layout
     if provider not in PROVIDERS:
         raise ExportError(f"unknown onnxruntime-genai provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [cfg.vocab_size - 1])

@@ -167,12 +167,12 @@ def check_onnx(path: str | Path) -> onnx.ModelProto:
 
 def read_metadata(path: str | Path) -> dict[str, str]:
     """The metadata_props of an ONNX file, checked to be a valid model first."""
-    return _metadata(check_onnx(path))
+    return metadata_of(check_onnx(path))
 
 
 def read_config(path: str | Path) -> ModelConfig:
     """The ModelConfig an andrea-export ONNX file was exported from (its `andrea.config` metadata)."""
-    return _config(read_metadata(path), path)
+    return config_of(read_metadata(path), path)
 
 
 def read_kv_layout(path: str | Path) -> KVLayout:
@@ -187,17 +187,26 @@ def check_decoder_onnx(path: str | Path) -> KVLayout:
 
 
 def read_decoder(path: str | Path) -> tuple[ModelConfig, KVLayout]:
-    """(model config, checked KV layout) of a decoder graph, from one check of the file (a runtime's load)."""
+    """(model config, checked KV layout) of a decoder graph, from one check of the file."""
+    return read_decoder_meta(path)[:2]
+
+
+def read_decoder_meta(path: str | Path) -> tuple[ModelConfig, KVLayout, dict[str, str]]:
+    """(model config, checked KV layout, metadata) of a decoder graph, from one check of the file (a
+    runtime's load, which also reads the recorded weight source)."""
     proto = check_onnx(path)
     layout = _check_decoder(proto, path)
-    return _config(_metadata(proto), path), layout
+    meta = metadata_of(proto)
+    return config_of(meta, path), layout, meta
 
 
-def _metadata(proto: onnx.ModelProto) -> dict[str, str]:
+def metadata_of(proto: onnx.ModelProto) -> dict[str, str]:
+    """The metadata_props of a loaded (checked) model."""
     return {p.key: p.value for p in proto.metadata_props}
 
 
-def _config(meta: dict[str, str], path) -> ModelConfig:
+def config_of(meta: dict[str, str], path) -> ModelConfig:
+    """The ModelConfig recorded in a graph's metadata (`andrea.config`); `path` names the file in errors."""
     if CONFIG_KEY not in meta:
         raise ExportError(
             f"{path}: has no '{CONFIG_KEY}' metadata: not exported by andrea-export, so its model config is unknown"
@@ -215,7 +224,7 @@ def _layout(meta: dict[str, str], path) -> KVLayout:
 
 
 def _check_decoder(proto: onnx.ModelProto, path) -> KVLayout:
-    layout = _layout(_metadata(proto), path)
+    layout = _layout(metadata_of(proto), path)
     for kind, got, want in (("input", proto.graph.input, layout.inputs), ("output", proto.graph.output, layout.outputs)):
         got_names = [v.name for v in got]
         if got_names != [t.name for t in want]:

@@ -37,7 +37,8 @@ def _describe_build(folder: Path) -> dict:
 def _describe_onnx(path: Path) -> dict:
     import onnx
 
-    from .export import check_onnx, op_counts
+    from .export import op_counts
+    from .graphs import check_onnx
     from .external_data import external_data_files
 
     model = check_onnx(path)

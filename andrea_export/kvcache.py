@@ -25,13 +25,9 @@ from .config import ModelConfig
 from .errors import ExportError
 from .export import OPSET, export_program
 
-# The layout and its readers live in graphs.py (no torch, for runtimes); importable from here as before.
-from .graphs import (  # noqa: F401
-    BATCH, LAYOUT_VERSION, NEW, PAST, TOTAL, KVLayout, TensorSpec, check_decoder_onnx, kv_layout, past_name,
-    present_name, read_kv_layout,
-)
+from .graphs import BATCH, NEW, PAST, KVLayout, check_decoder_onnx, kv_layout  # the layout: graphs.py (no torch)
 from .model import Andrea
-from .names import ATTENTION_MASK, DECODE, DECODER_FILE, INPUT_IDS, KV_LAYOUT_KEY, LOGITS, PREFILL  # noqa: F401
+from .names import ATTENTION_MASK, DECODE, INPUT_IDS, KV_LAYOUT_KEY, PREFILL
 
 
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 from . import __version__
 from .artifacts import locked_folder, sha256_file, update_folder, write_text_atomic
-from .buildfolder import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest  # noqa: F401  (importable from here)
-from .buildfolder import changed_artifacts as verify_artifact_hashes
+from .buildfolder import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest
+from .buildfolder import changed_artifacts
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
@@ -155,8 +155,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
     opts = opts.check()  # every option, before anything is loaded or built
     cfg = load_config(opts.config) if opts.config else None
-    if cfg is not None:
-        _check_for_model(opts, cfg)
+    checked = _check_for_model(opts, cfg) if cfg is not None else None  # before the model is loaded
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
     if opts.strip_weights and builder == "tensorrt-rtx":
@@ -164,8 +163,8 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
         raise ConfigError(STRIP_REFUSED_RTX)
     model = _load_model(opts, cfg)
+    profiles, evaluation = checked if checked is not None and model.cfg == cfg else _check_for_model(opts, model.cfg)
     cfg = model.cfg
-    profiles = _check_for_model(opts, cfg)
     out = Path(opts.out or f"out/{cfg.name}-{opts.precision}")
     opts = dataclasses.replace(opts, out=str(out))
     # TensorRT reuses tactic timings across builds; TensorRT-RTX has no autotuning, so no cache by default.
@@ -178,7 +177,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
             # the new build is staged beside `out` and swapped in whole; a replaced build's files
             # (named by its manifest) are not carried over, anything else in the folder is
             with update_folder(out, drop=previous) as tmp:
-                manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache)
+                manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache, evaluation)
                 write_text_atomic(tmp / "build-config.toml", opts.to_toml())
                 manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
                 manifest["artifacts"] = _hash_artifacts(tmp, manifest["artifacts"])
@@ -192,9 +191,9 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     return manifest
 
 
-def _check_for_model(opts: BuildOptions, cfg) -> list:
-    """The options that depend on the model, against its config: the optimization profiles (returned) and
-    the verification shapes and greedy steps."""
+def _check_for_model(opts: BuildOptions, cfg) -> tuple[list, tuple | None]:
+    """The options that depend on the model, against its config: the optimization profiles and the
+    evaluation text's (windows, description) or None (returned), the verification shapes and greedy steps."""
     from .build import Profiles, parse_profiles
     from .quantize import check_model_shape
     from .verify import check_inputs
@@ -204,14 +203,15 @@ def _check_for_model(opts: BuildOptions, cfg) -> list:
     for p in profiles:
         p.check(cfg.n_positions).check_tensor_sizes(cfg)
     check_inputs(cfg, opts.verify_shapes, opts.greedy_steps)
-    _check_text_options(opts, cfg)
+    evaluation = _check_text_options(opts, cfg)
     check_model_shape(cfg, opts.precision)
-    return profiles
+    return profiles, evaluation
 
 
-def _check_text_options(opts: BuildOptions, cfg) -> None:
-    """Refuse a bad tokenizer or evaluation text before anything heavy runs."""
-    from .text import encode, load_tokenizer, read_text, windows
+def _check_text_options(opts: BuildOptions, cfg) -> tuple | None:
+    """Refuse a bad tokenizer or evaluation text before anything heavy runs; returns the evaluation
+    text's (windows, description), tokenized once for the whole build, or None without one."""
+    from .text import load_tokenizer
 
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
@@ -219,18 +219,27 @@ def _check_text_options(opts: BuildOptions, cfg) -> None:
             raise ConfigError(f"{opts.tokenizer}: {tok.get_vocab_size()} tokens, more than the model's vocabulary "
                               f"({cfg.vocab_size}); it is not this model's tokenizer")
         if opts.eval_text:
-            windows(encode(tok, read_text(opts.eval_text)), cfg.n_positions)  # at least one window
+            return _evaluation(tok, opts.eval_text, cfg)  # refuses a text shorter than one window
+    return None
+
+
+def _evaluation(tok, path: Path | str, cfg) -> tuple:
+    """(token windows, description) of the evaluation text in `path`, tokenized once."""
+    from .text import describe_text, encode, read_text, windows
+
+    body = read_text(path)
+    ids = encode(tok, body)
+    return windows(ids, cfg.n_positions), describe_text(body, tok, len(ids))
 
 
 def _eval_windows(folder: Path, artifacts: dict, cfg):
     """(token windows, description) of the build's evaluation text, or (None, None) without one."""
-    from .text import describe_text, encode, load_tokenizer, read_text, windows
+    from .text import load_tokenizer
 
     if "eval_text" not in artifacts:
         return None, None
-    tok = load_tokenizer(folder / FILE_OF["tokenizer"])  # fixed names: a manifest's path is never followed
-    body = read_text(folder / FILE_OF["eval_text"])
-    return windows(encode(tok, body), cfg.n_positions), describe_text(body, tok)
+    # fixed names: a manifest's path is never followed
+    return _evaluation(load_tokenizer(folder / FILE_OF["tokenizer"]), folder / FILE_OF["eval_text"], cfg)
 
 
 def _load_model(opts: BuildOptions, cfg):
@@ -259,7 +268,7 @@ def _claim(out: Path, opts: BuildOptions, force: bool) -> set[str]:
     return {a["path"] for a in previous["artifacts"].values()}
 
 
-def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path) -> dict:
+def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path, evaluation) -> dict:
     from .build import build_engine
 
     cfg = model.cfg
@@ -284,7 +293,8 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
 
     if opts.decoder:
         _build_decoder_engine(tmp, model, opts, builder, artifacts, timing_cache)
-    report = _verify(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes, opts.greedy_steps)
+    report = _verify(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes, opts.greedy_steps,
+                     evaluation)
     report.save(tmp / "verify.json")
     artifacts["verify_report"] = "verify.json"
     return {
@@ -447,8 +457,10 @@ def _verify_decoder_graph(model, path: Path, precision: str, prompts, greedy_ste
     return result
 
 
-def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None, greedy_steps=32):
-    """Verify every artifact of a (staged or finished) build folder against the PyTorch model."""
+def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None, greedy_steps=32,
+            evaluation: tuple | None = None):
+    """Verify every artifact of a (staged or finished) build folder against the PyTorch model. `evaluation`:
+    the evaluation text's (windows, description) when the caller has it, else read from the folder."""
     from .verify import verify
 
     runners: dict[str, object] = {"onnxrt": folder / artifacts["onnx"],
@@ -460,7 +472,7 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
     else:
         skipped.append({"artifact": "engine", "reason": reason})
     shapes = [tuple(s) for s in shapes] if shapes else None
-    wins, described = _eval_windows(folder, artifacts, model.cfg)
+    wins, described = evaluation or _eval_windows(folder, artifacts, model.cfg)
     report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped,
                     eval_windows=wins, eval_text=described)
     if "decoder_onnx" in artifacts:
@@ -481,15 +493,15 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
 def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
     """Greedy decoding through the runtime's TrtSession against PyTorch; `passed` gates the build in every
     precision: a divergence fails unless every logit up to it is within the precision's tolerance (a tie)."""
-    from .export import read_config
-    from .kvcache import check_decoder_onnx
+    from .graphs import read_decoder
     from .precision import TOLERANCES
     from .runtime.agreement import greedy_agreement
     from .runtime.trt import TrtSession
 
     graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
     prompt = list(range(1, 9))
-    with TrtSession(folder / artifacts["decoder_engine"], read_config(graph), check_decoder_onnx(graph)) as sess:
+    cfg, layout = read_decoder(graph)  # one check of the graph
+    with TrtSession(folder / artifacts["decoder_engine"], cfg, layout) as sess:
         greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **TOLERANCES[precision])
     greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
     return greedy
@@ -497,7 +509,8 @@ def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: 
 
 def _engine_blocker(plan: Path, info: dict) -> str | None:
     """Why the engine `plan` (described by its sidecar `info`) cannot run here, or None when it can."""
-    from .build import check_engine_compat, gpu_compute_capability
+    from .build import check_engine_compat
+    from .errors import gpu_compute_capability
 
     if gpu_compute_capability() is None:
         targets = ", ".join(info["compute_capabilities"])
@@ -562,7 +575,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
     folder = Path(folder)
     with locked_folder(folder):  # no build may replace it meanwhile
         m = read_manifest(folder)
-        altered = verify_artifact_hashes(folder, m)
+        altered = changed_artifacts(folder, m)
         if altered:
             raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
         cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
@@ -619,7 +632,7 @@ def _environment() -> dict:
             versions[dist] = md.version(dist)
         except md.PackageNotFoundError:
             pass
-    from .build import gpu_compute_capability
+    from .errors import gpu_compute_capability
 
     return {"python": platform.python_version(), "platform": platform.platform(), "machine": platform.machine(),
             "gpu_compute_capability": gpu_compute_capability(), "packages": versions}

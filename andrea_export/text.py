@@ -10,10 +10,12 @@ used (`corpus_info`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import platform
 import re
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -27,7 +29,8 @@ HELDOUT_EVERY = 10  # block i of the topics is held out when i % 10 == 9
 BLOCK_CHARS = 2000
 
 
-def corpus() -> tuple[list[str], list[str]]:
+@functools.cache  # 4 s of parsing; the same on every call in a process (demo.cache_key, then train_demo)
+def corpus() -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(training documents, held-out documents). The pydoc topics, sorted by name, as paragraphs
     (reflowed; a paragraph that appears again, as whole sections of the topics do, is kept once, so no
     held-out text is also training text), joined into blocks of at least BLOCK_CHARS: every tenth block is held
@@ -51,7 +54,7 @@ def corpus() -> tuple[list[str], list[str]]:
             blocks.append(cur)
     held = [b for i, b in enumerate(blocks) if i % HELDOUT_EVERY == HELDOUT_EVERY - 1]
     train = [b for i, b in enumerate(blocks) if i % HELDOUT_EVERY != HELDOUT_EVERY - 1]
-    return train + stdlib_docstrings(), held
+    return tuple(train + stdlib_docstrings()), tuple(held)
 
 
 def stdlib_docstrings(min_chars: int = 200) -> list[str]:
@@ -97,11 +100,11 @@ def reflow(para: str) -> str:
     return " " * indent[0] + " ".join(stripped)
 
 
-def join(docs: list[str]) -> str:
+def join(docs: Sequence[str]) -> str:
     return f"\n{EOT}\n".join(docs)
 
 
-def corpus_info(train_docs: list[str] | None = None, held_docs: list[str] | None = None) -> dict:
+def corpus_info(train_docs: Sequence[str] | None = None, held_docs: Sequence[str] | None = None) -> dict:
     """What the corpus is on this interpreter: Python version, sizes and sha256 of both splits."""
     if train_docs is None or held_docs is None:
         train_docs, held_docs = corpus()
@@ -112,7 +115,7 @@ def corpus_info(train_docs: list[str] | None = None, held_docs: list[str] | None
             "heldout_sha256": hashlib.sha256(held.encode()).hexdigest()}
 
 
-def train_tokenizer(docs: list[str], vocab_size: int = VOCAB_SIZE):
+def train_tokenizer(docs: Sequence[str], vocab_size: int = VOCAB_SIZE):
     """A GPT-2-style byte-level BPE with exactly `vocab_size` tokens ({EOT} is id 0). Deterministic:
     the same documents give the same tokenizer.json bytes (a test trains twice)."""
     tk = require("tokenizers", "text", "Training the tokenizer")
@@ -184,8 +187,9 @@ def unigram_perplexity(train_ids: list[int], eval_ids: np.ndarray, vocab_size: i
     return float(np.exp(-logp[eval_ids[:, 1:]].mean()))
 
 
-def describe_text(text: str, tok) -> dict:
-    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text), "tokens": len(encode(tok, text)),
+def describe_text(text: str, tok, tokens: int) -> dict:
+    """What an evaluation text is; `tokens`: how many `tok` makes of it (the caller has encoded it)."""
+    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "chars": len(text), "tokens": tokens,
             "tokenizer_sha256": hashlib.sha256(tok.to_str().encode()).hexdigest()}
 
 

@@ -95,14 +95,38 @@ def model_config_pb2():
 
 
 def _reading_build(fn):
-    """Hold a shared lock on the build folder while it is read, so that no build replaces it meanwhile."""
+    """Hold a shared lock on the build folder while it is read, so that no build replaces it meanwhile, and
+    read its manifest once under it: `fn` gets it as `manifest`. A caller that holds the lock and has read
+    the manifest (package) passes it and takes no second lock."""
 
     @functools.wraps(fn)
-    def wrapper(build_dir, *args, **kwargs):
+    def wrapper(build_dir, *args, manifest: dict | None = None, **kwargs):
+        if manifest is not None:
+            return fn(build_dir, *args, manifest=manifest, **kwargs)
         with locked_folder(build_dir, shared=True):
-            return fn(build_dir, *args, **kwargs)
+            return fn(build_dir, *args, manifest=read_manifest(build_dir), **kwargs)
 
     return wrapper
+
+
+def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, backend: str = "auto",
+            instances: int = 1, kind: str = "gpu", overwrite: bool = False, allow_failed: bool = False,
+            hardlink: bool = True, **options) -> list[Path]:
+    """Every model of a build: the stateless one (write_triton_repo, which also takes `options`) and, when the
+    build has the KV-cache decoder, the stateful one (`<name>-decoder`; triton_decoder.write_triton_decoder).
+    One shared lock and one read of the manifest for both, so they always come from the same build.
+    Returns the model folders."""
+    from .triton_decoder import write_triton_decoder
+
+    common = dict(backend=backend, instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
+                  hardlink=hardlink)
+    with locked_folder(build_dir, shared=True):
+        manifest = read_manifest(build_dir)
+        models = [write_triton_repo(build_dir, repo_dir, name=name, manifest=manifest, **common, **options)]
+        if "decoder_onnx" in manifest["artifacts"]:
+            models.append(write_triton_decoder(build_dir, repo_dir, name=f"{name}-decoder" if name else None,
+                                               manifest=manifest, **common))
+    return models
 
 
 @_reading_build
@@ -121,6 +145,7 @@ def write_triton_repo(
     overwrite: bool = False,
     allow_failed: bool = False,
     hardlink: bool = True,
+    manifest: dict,
 ) -> Path:
     """Write `<repo_dir>/<name>/` (config.pbtxt and version 1 of the model) from an andrea-export build.
 
@@ -143,6 +168,8 @@ def write_triton_repo(
         allow_failed: package a build whose verification failed (refused by default).
         hardlink: hard-link the artifact when on the same file system (else it is copied); a weights
             file is always copied (see the module doc).
+        manifest: the build's manifest when the caller holds the folder's shared lock and has read it
+            (see package); by default the folder is locked and its manifest read here.
     Returns:
         The model folder `<repo_dir>/<name>`.
     """
@@ -159,13 +186,7 @@ def write_triton_repo(
         raise PackageError(f"max_queue_delay_us must be >= 0, got {max_queue_delay_us}")
 
     pb = model_config_pb2()  # first: a missing dependency is said before any work
-    manifest = read_manifest(build_dir)
-    status = manifest.get("status", "unverified")
-    if status == "failed" and not allow_failed:
-        raise PackageError(
-            f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to package "
-            "it for serving. Fix the build, or pass allow_failed=True (--allow-failed) to package it anyway"
-        )
+    status = _check_status(build_dir, manifest, allow_failed, "it for serving")
     backend = _choose_backend(build_dir, manifest, backend, kind)
     if status != "passed" and not (status == "engine-unverified" and backend == "onnxruntime"):
         warn(f"{build_dir}: packaging a build whose verification status is '{status}'")
@@ -252,31 +273,47 @@ def read_manifest(build_dir: str | Path) -> dict:
     return _read_manifest(build_dir, full=False, error=PackageError)
 
 
-def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) -> str:
+def _check_status(build_dir: Path, manifest: dict, allow_failed: bool, what: str) -> str:
+    """The build's verification status; a failed build is refused unless `allow_failed`."""
+    status = manifest.get("status", "unverified")
+    if status == "failed" and not allow_failed:
+        raise PackageError(
+            f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to package "
+            f"{what}. Fix the build, or pass allow_failed=True (--allow-failed) to package it anyway"
+        )
+    return status
+
+
+def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str, engine: str = "engine",
+                    graph: str = "onnx") -> str:
+    """The backend that serves artifact `engine` (TensorRT) or `graph` (ONNX Runtime): `backend` checked,
+    or auto's choice (the engine when it is a TensorRT plan, not weight-stripped, and kind is gpu)."""
     artifacts = manifest["artifacts"]
     have = ", ".join(sorted(artifacts)) or "none"
-    rtx_engine = "engine" in artifacts and _builder(manifest)[0] == "tensorrt-rtx"
-    stripped = "engine" in artifacts and bool((manifest.get("builder") or {}).get("weights_stripped"))
+    what = engine.replace("_", " ")  # "engine", "decoder engine"
+    roles = {"tensorrt": engine, "onnxruntime": graph}
+    rtx_engine = engine in artifacts and _builder(manifest)[0] == "tensorrt-rtx"
+    stripped = engine in artifacts and bool((manifest.get("builder") or {}).get("weights_stripped"))
     if backend == "auto":
-        if "engine" in artifacts and not rtx_engine and not stripped and kind == "gpu":
+        if engine in artifacts and not rtx_engine and not stripped and kind == "gpu":
             return "tensorrt"
-        if "onnx" in artifacts:
+        if graph in artifacts:
             return "onnxruntime"
     elif backend == "tensorrt" and stripped:
         raise PackageError(
-            f"{build_dir}: the engine is weight-stripped (--strip-weights), and Triton's TensorRT backend does not "
+            f"{build_dir}: the {what} is weight-stripped (--strip-weights), and Triton's TensorRT backend does not "
             "refit engines at load; rebuild without --strip-weights to serve it, or serve the ONNX (--backend onnxruntime)"
         )
     elif backend == "tensorrt" and kind == "cpu":
         raise PackageError("a TensorRT engine runs on GPUs only: use kind='gpu' (--kind gpu) or backend='onnxruntime'")
     elif backend == "tensorrt" and rtx_engine:
         raise PackageError(
-            f"{build_dir}: the engine was built by TensorRT-RTX, which Triton's TensorRT backend (libnvinfer) "
+            f"{build_dir}: the {what} was built by TensorRT-RTX, which Triton's TensorRT backend (libnvinfer) "
             "cannot load; serve the ONNX file with backend='onnxruntime' (--backend onnxruntime) instead"
         )
-    elif ROLE[backend] in artifacts:
+    elif roles[backend] in artifacts:
         return backend
-    if "decoder_onnx" in artifacts:
+    if graph == "onnx" and "decoder_onnx" in artifacts:
         raise PackageError(
             f"{build_dir}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; package it "
             "as a stateful model with andrea_export.triton_decoder.write_triton_decoder, or package a build "
@@ -284,12 +321,12 @@ def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str) ->
         )
     if backend == "auto":
         why = (" (the engine is a TensorRT-RTX plan, which Triton's TensorRT backend cannot load)" if rtx_engine
-               else " (an engine cannot serve kind 'cpu')" if "engine" in artifacts else "")
+               else " (an engine cannot serve kind 'cpu')" if engine in artifacts else "")
         raise PackageError(
-            f"{build_dir / MANIFEST}: no artifact Triton can serve here: needs 'engine' (TensorRT, GPU) or "
-            f"'onnx' (ONNX Runtime); artifacts: {have}{why}"
+            f"{build_dir / MANIFEST}: no artifact Triton can serve here: needs '{engine}' (TensorRT, GPU) or "
+            f"'{graph}' (ONNX Runtime); artifacts: {have}{why}"
         )
-    raise PackageError(f"{build_dir / MANIFEST}: no '{ROLE[backend]}' artifact, which backend '{backend}' needs; artifacts: {have}")
+    raise PackageError(f"{build_dir / MANIFEST}: no '{roles[backend]}' artifact, which backend '{backend}' needs; artifacts: {have}")
 
 
 def _artifact_file(build_dir: Path, manifest: dict, role: str) -> Path:

@@ -43,8 +43,9 @@ from pathlib import Path
 
 from . import __version__
 from .config import check_name
-from .triton import (MANIFEST, PLATFORM, TRITON_NAME, PackageError, _artifact_file, _builder, _onnx_io, _triton_type,
-                     _reading_build, _write_model_dir, config_text, model_config_pb2, read_manifest)
+from .triton import (MANIFEST, PLATFORM, TRITON_NAME, PackageError, _artifact_file, _builder, _check_status,
+                     _choose_backend, _onnx_io, _parameters, _reading_build, _triton_type, _write_model_dir, config_text,
+                     model_config_pb2)
 
 DEFAULT_IDLE_US = 60_000_000  # a sequence idle for a minute is ended and its cache slot freed
 
@@ -53,7 +54,7 @@ DEFAULT_IDLE_US = 60_000_000  # a sequence idle for a minute is ended and its ca
 def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None,
                          backend: str = "auto", instances: int = 1, kind: str = "gpu",
                          max_sequence_idle_us: int = DEFAULT_IDLE_US, overwrite: bool = False,
-                         allow_failed: bool = False, hardlink: bool = True) -> Path:
+                         allow_failed: bool = False, hardlink: bool = True, manifest: dict) -> Path:
     """Write `<repo_dir>/<name>/` serving the build's KV-cache decoder with implicit state.
 
     Args:
@@ -61,7 +62,7 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
             GPU) or "auto" (the engine when it is a TensorRT plan and kind is "gpu", else the graph).
         name: default `<model>-<precision>-decoder-trt|onnx`.
         max_sequence_idle_us: Triton ends a sequence idle this long and frees its slot.
-    Other arguments as in triton.write_triton_repo. Returns the model folder.
+    Other arguments as in triton.write_triton_repo (triton.package writes both). Returns the model folder.
     """
     build_dir, repo_dir = Path(build_dir), Path(repo_dir)
     if backend not in ("auto", "tensorrt", "onnxruntime") or kind not in ("gpu", "cpu"):
@@ -69,37 +70,18 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
     if not isinstance(instances, int) or instances < 1:
         raise PackageError(f"instances must be a positive integer, got {instances!r}")
     pb = model_config_pb2()
-    manifest = read_manifest(build_dir)
-    artifacts = manifest["artifacts"]
-    if "decoder_onnx" not in artifacts:
+    if "decoder_onnx" not in manifest["artifacts"]:
         raise PackageError(f"{build_dir}: the build has no KV-cache decoder (built with --no-decoder); rebuild with it")
-    if manifest.get("status") == "failed" and not allow_failed:
-        raise PackageError(f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to "
-                           "package its decoder. Pass allow_failed=True (--allow-failed) to package it anyway")
-    trt_engine = "decoder_engine" in artifacts and _builder(manifest)[0] == "tensorrt"
-    builder = manifest.get("builder")  # packaging validates only what it needs: may be absent or not an object
-    stripped = isinstance(builder, dict) and bool(builder.get("weights_stripped"))  # Triton's TRT backend does not refit
-    if backend == "auto":
-        backend = "tensorrt" if trt_engine and not stripped and kind == "gpu" else "onnxruntime"
-    if backend == "tensorrt" and stripped:
-        raise PackageError(f"{build_dir}: the decoder engine is weight-stripped (--strip-weights), and Triton's "
-                           "TensorRT backend does not refit engines at load; serve the graph with backend='onnxruntime'")
-    if backend == "tensorrt" and not trt_engine:
-        raise PackageError(f"{build_dir}: no TensorRT decoder engine (TensorRT-RTX plans do not load in Triton's "
-                           "TensorRT backend); serve the decoder graph with backend='onnxruntime'")
-    if backend == "tensorrt" and kind == "cpu":
-        raise PackageError("a TensorRT engine runs on GPUs only: use kind='gpu' or backend='onnxruntime'")
+    _check_status(build_dir, manifest, allow_failed, "its decoder")
+    backend = _choose_backend(build_dir, manifest, backend, kind, engine="decoder_engine", graph="decoder_onnx")
+    role = "decoder_engine" if backend == "tensorrt" else "decoder_onnx"
 
     graph = _artifact_file(build_dir, manifest, "decoder_onnx")
-    artifact = graph if backend == "onnxruntime" else _artifact_file(build_dir, manifest, "decoder_engine")
+    artifact = _artifact_file(build_dir, manifest, role) if backend == "tensorrt" else graph
     profiles = _engine_profiles(build_dir, manifest) if backend == "tensorrt" else []
     cfg = decoder_config(pb, graph, name or _default_name(manifest, backend), backend, instances, kind,
                          max_sequence_idle_us, profiles)
-    params = {"andrea.model": str(manifest["model"].get("name", "?")), "andrea.precision": str(manifest.get("precision")),
-              "andrea.verification": str(manifest.get("status", "unverified")),
-              "andrea.artifact": "decoder_onnx" if backend == "onnxruntime" else "decoder_engine",
-              "andrea.sha256": str(artifacts["decoder_onnx" if backend == "onnxruntime" else "decoder_engine"].get("sha256", ""))}
-    for k, v in params.items():
+    for k, v in _parameters(manifest, role, backend).items():
         cfg.parameters[k].string_value = v
     text = "".join(f"# {line}\n" for line in _header(build_dir, manifest, backend, profiles)) + "\n" + config_text(cfg)
     return _write_model_dir(repo_dir, cfg.name, text, artifact, backend, build_dir / MANIFEST, manifest,

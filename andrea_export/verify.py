@@ -344,11 +344,12 @@ def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = N
     from .buildfolder import metadata_json
     from .checkpoint import model_for
     from .errors import ConfigError
-    from .graphs import read_config, read_metadata
+    from .graphs import check_onnx, config_of, metadata_of
     from .names import CONFIG_KEY, WEIGHTS_KEY
 
-    meta = read_metadata(onnx_path)
-    recorded = read_config(onnx_path) if CONFIG_KEY in meta else None
+    proto = check_onnx(onnx_path)  # once: its metadata and its signature come from this one load
+    meta = metadata_of(proto)
+    recorded = config_of(meta, onnx_path) if CONFIG_KEY in meta else None
     if config is not None and recorded is not None and config != recorded:
         differ = [f"{k} {v} vs {getattr(recorded, k)}" for k, v in config.to_dict().items() if v != getattr(recorded, k)]
         raise ConfigError(f"--config {config.name} does not match {onnx_path}, which was exported from {recorded.name} "
@@ -356,19 +357,21 @@ def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = N
     cfg = config or recorded
     source = metadata_json(meta, WEIGHTS_KEY, onnx_path) if WEIGHTS_KEY in meta else {}
     model = model_for(source, cfg, checkpoint, what=str(onnx_path))
-    check_model_io(onnx_path, model.cfg)
+    check_model_io(onnx_path, model.cfg, proto.graph)
     return model
 
 
-def check_model_io(onnx_path: str | Path, cfg) -> None:
+def check_model_io(onnx_path: str | Path, cfg, graph=None) -> None:
     """Refuse, before anything runs, an ONNX file whose inputs and outputs are not the model's: one input
     input_ids int64 [batch, seq], one output logits float [batch, seq, vocab]. Metadata can be copied
-    onto any graph; the graph's own signature cannot lie about what it takes."""
+    onto any graph; the graph's own signature cannot lie about what it takes. `graph`: the file's graph,
+    when already loaded."""
     import onnx
 
     from .errors import ExportError
 
-    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    if graph is None:
+        graph = onnx.load(str(onnx_path), load_external_data=False).graph
     init = {t.name for t in graph.initializer}
     sig = {"inputs": [(v.name, v.type.tensor_type.elem_type, len(v.type.tensor_type.shape.dim)) for v in graph.input
                       if v.name not in init],

@@ -248,7 +248,7 @@ def torch_eager(plan: Plan) -> Callable[[Checks], Any]:
 
 
 def _tensorrt_here() -> None:
-    from andrea_export.build import gpu_compute_capability, installed
+    from andrea_export.errors import gpu_compute_capability, installed
 
     why = []
     if not installed("tensorrt"):

@@ -60,7 +60,8 @@ def lively_prompt(demo_dir):
 @pytest.fixture(scope="session")
 def lively_decoder(lively_model, tmp_path_factory):
     """decoder.onnx of the trained model, alone in its folder (a folder `runtime.load` accepts)."""
-    from andrea_export.kvcache import DECODER_FILE, export_decoder_onnx
+    from andrea_export.kvcache import export_decoder_onnx
+    from andrea_export.names import DECODER_FILE
 
     return export_decoder_onnx(lively_model, tmp_path_factory.mktemp("decoder") / DECODER_FILE, quiet=True)
 

@@ -9,11 +9,13 @@ import csv
 import io
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from andrea_export import bench
+from andrea_export.bench.work import _inputs
 from andrea_export.bench import report as bench_report
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 
@@ -192,8 +194,8 @@ def test_same_inputs_same_outputs(run):
     from andrea_export.checkpoint import random_init
 
     cfg = ANDREA_TINY
-    ids, mask, past = bench._inputs(cfg, "decode", 2, 1, 5, seed=0)
-    again = bench._inputs(cfg, "decode", 2, 1, 5, seed=0)
+    ids, mask, past = _inputs(cfg, "decode", 2, 1, 5, seed=0)
+    again = _inputs(cfg, "decode", 2, 1, 5, seed=0)
     assert np.array_equal(ids, again[0]) and all(np.array_equal(a, b) for a, b in zip(past, again[2]))
     assert ids.shape == (2, 1) and mask.shape == (2, 6) and past[0].shape == (2, cfg.n_head, 5, cfg.head_dim)
     ctx = bench.Context(random_init(cfg, seed=0, announce=False), 1, run[1] / "cache")  # the run's cached exports
@@ -334,8 +336,8 @@ def test_parse_names_and_engine_specs(tmp_path):
     with pytest.raises(AndreaExportError, match="unknown backend"):
         bench.parse_names("torch,tf", bench.BACKENDS, "backend")
     specs = bench.parse_engine_specs(["native:prefill=a.plan", "native:decode=b.plan", "plugin:prefill=c.plan"])
-    assert specs == {"trt-native": {"prefill": bench.Path("a.plan"), "decode": bench.Path("b.plan")},
-                     "trt-plugin": {"prefill": bench.Path("c.plan")}}  # fmt: skip
+    assert specs == {"trt-native": {"prefill": Path("a.plan"), "decode": Path("b.plan")},
+                     "trt-plugin": {"prefill": Path("c.plan")}}  # fmt: skip
     with pytest.raises(AndreaExportError, match="VARIANT:ROLE=PLAN"):
         bench.parse_engine_specs(["fast:prefill=a.plan"])
 

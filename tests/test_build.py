@@ -16,7 +16,6 @@ from andrea_export.build import (
     Profiles,
     build_engine,
     check_engine_compat,
-    gpu_compute_capability,
     layer_report_path,
     parse_profiles,
     resolve_builder,
@@ -24,16 +23,11 @@ from andrea_export.build import (
     trt_module,
 )
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
-from andrea_export.errors import BuildError, ConfigError, MissingDependency
+from andrea_export.errors import BuildError, ConfigError, MissingDependency, gpu_compute_capability, installed
 from andrea_export.export import export_onnx
 from andrea_export.model import Andrea
 
-try:
-    import tensorrt_rtx  # noqa: F401
-
-    HAVE_RTX = True
-except ImportError:
-    HAVE_RTX = False
+HAVE_RTX = installed("tensorrt_rtx")
 needs_rtx = pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX not installed: pip install 'andrea-export[rtx]'")
 GPU = gpu_compute_capability()
 try:

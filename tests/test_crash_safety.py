@@ -18,7 +18,8 @@ import pytest
 
 from andrea_export import artifacts, pipeline
 from andrea_export.errors import BuildError
-from andrea_export.pipeline import BuildOptions, read_manifest, run_build, verify_artifact_hashes
+from andrea_export.buildfolder import changed_artifacts, read_manifest
+from andrea_export.pipeline import BuildOptions, run_build
 
 NEW_SEED = 7
 REPO = Path(__file__).resolve().parents[1]
@@ -27,7 +28,7 @@ REPO = Path(__file__).resolve().parents[1]
 def stage_new_build(source: Path):
     """A stand-in for pipeline._build_into: every artifact of `source` except the decoder's, changed."""
 
-    def build_into(tmp, out, opts, model, builder, profiles, timing_cache):
+    def build_into(tmp, out, opts, model, builder, profiles, timing_cache, evaluation):
         m = json.loads((source / "manifest.json").read_text())
         names = {role: a["path"] for role, a in m["artifacts"].items() if not role.startswith("decoder")}
         for name in names.values():
@@ -46,7 +47,7 @@ def new_options(out: Path) -> BuildOptions:
 def complete_build(out: Path) -> int:
     """Assert `out` holds one complete build, and nothing else but its files; returns its seed."""
     m = read_manifest(out)
-    assert verify_artifact_hashes(out, m) == [], "a file does not match the manifest"
+    assert changed_artifacts(out, m) == [], "a file does not match the manifest"
     files = {p.name for p in out.iterdir()}
     expected = {a["path"] for a in m["artifacts"].values()} | {"manifest.json", "build-config.toml"}
     assert files == expected, f"leftovers {files - expected}, missing {expected - files}"

@@ -8,8 +8,8 @@ import torch
 
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.errors import ExportError
-from andrea_export.export import (INPUT_NAME, OUTPUT_NAME, check_onnx, export_onnx, op_counts, read_config,
-                                  read_metadata)
+from andrea_export.export import INPUT_NAME, OUTPUT_NAME, export_onnx, op_counts
+from andrea_export.graphs import check_onnx, read_config, read_metadata
 
 
 def test_graph_io_and_gelu_nodes(tiny_onnx):

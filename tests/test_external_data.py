@@ -16,7 +16,7 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import BuildError, ExportError
-from andrea_export.export import check_onnx
+from andrea_export.graphs import check_onnx
 from andrea_export.external_data import external_data_files, share_weights
 
 GRAPHS = ("model.onnx", "model.plugin.onnx", "decoder.onnx")

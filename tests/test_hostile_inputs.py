@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -27,9 +28,7 @@ pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) build
 
 TINY_BUILD = ["--config", "andrea-tiny", "--builder", "tensorrt-rtx"]
 try:
-    import tritonclient.grpc.model_config_pb2  # noqa: F401  (the 'triton' extra: `package`)
-
-    TRITON = True
+    TRITON = bool(importlib.import_module("tritonclient.grpc.model_config_pb2"))  # the 'triton' extra: `package`
 except ImportError:
     TRITON = False
 
@@ -202,17 +201,26 @@ def test_a_toml_cannot_aim_the_build_elsewhere(scene):
 # ---- a build folder's files: tampered in place ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("victim", ["model.onnx", "decoder.onnx", "decoder.inplace.onnx", "decoder.plan", "model.plan.json",
-                                    "weights.fp32.data"])
+# what generate reads, per backend (a build with the in-place decoder, which ONNX Runtime on the CPU runs)
+READS = {"tensorrt": {"decoder.onnx", "decoder.plan", "decoder.plan.json", "weights.fp32.data"},
+         "onnxruntime": {"decoder.inplace.onnx", "weights.fp32.data"}}
+
+
+@pytest.mark.parametrize("victim", ["model.onnx", "decoder.onnx", "decoder.inplace.onnx", "decoder.plan", "decoder.plan.json",
+                                    "model.plan.json", "weights.fp32.data"])
 def test_one_flipped_byte_is_caught_by_every_command(scene, victim):
     """Same size, one byte different: only the sha256 tells (a size check alone must not be enough)."""
     flip_one_byte(scene.evil / victim)
     with untouched(scene):
         cli("inspect", scene.evil, says=("CHANGED", victim))
         cli("verify", scene.evil, says=(victim, "changed since the build"))
-        if victim != "decoder.onnx" and victim.startswith(("decoder", "weights")):  # what generate runs (ONNX Runtime:
-            # the in-place decoder, not decoder.onnx) and the weights it points into
-            cli("generate", scene.evil, "--prompt-ids", "1,2", says=(victim, "changed since the build"))
+        # generate checks every file the chosen backend reads (TensorRT's before TensorRT or the missing GPU
+        # is looked at), and hashes no other: ONNX Runtime runs beside a changed engine or standard graph
+        for backend, reads in READS.items():
+            if victim in reads:
+                cli("generate", scene.evil, "--prompt-ids", "1,2", "--backend", backend, says=(victim, "changed since the build"))
+            elif backend == "onnxruntime" and victim.startswith("decoder"):
+                cli("generate", scene.evil, "--prompt-ids", "1,2", "--backend", backend, code=0)
     if victim in ("model.onnx", "weights.fp32.data"):  # package copies the graph and the weights it points into
         pytest.importorskip("tritonclient.grpc.model_config_pb2")
         with untouched(scene, inside=scene.root / "repo"):
@@ -420,7 +428,7 @@ def test_install_hints_keep_their_extras(capsys):
 
 
 def test_tensorrt_backend_without_a_gpu_says_so(scene):
-    from andrea_export.build import gpu_compute_capability
+    from andrea_export.errors import gpu_compute_capability
 
     if gpu_compute_capability() is not None:
         pytest.skip("this machine has a GPU: the message is for machines without one")
@@ -439,7 +447,7 @@ def test_sidecars_name_the_final_files_and_the_real_targets(scene):
     assert ".staging" not in (scene.evil / "model.plan.json").read_text()
     assert ".staging" not in (scene.evil / "decoder.plan.json").read_text()
     reasons = [s["reason"] for s in scene.manifest()["verification"]["skipped"]]
-    from andrea_export.build import gpu_compute_capability
+    from andrea_export.errors import gpu_compute_capability
 
     if gpu_compute_capability() is None:
         assert reasons and all("8.0, 8.6, 8.9, 12.0" in r and "7.5" not in r for r in reasons), reasons

@@ -15,17 +15,11 @@ import torch
 
 from andrea_export.build import network_flags
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
-from andrea_export.errors import ExportError
-from andrea_export.export import CONFIG_KEY, read_config
-from andrea_export.kvcache import (
-    KV_LAYOUT_KEY,
-    KVLayout,
-    check_decoder_onnx,
-    export_decoder_onnx,
-    kv_layout,
-    optimization_profiles,
-    read_kv_layout,
-)
+from andrea_export.errors import ExportError, installed
+from andrea_export.graphs import read_config
+from andrea_export.graphs import KVLayout, check_decoder_onnx, kv_layout, read_kv_layout
+from andrea_export.kvcache import export_decoder_onnx, optimization_profiles
+from andrea_export.names import CONFIG_KEY, KV_LAYOUT_KEY
 from andrea_export.runtime.agreement import verify_decoder
 
 
@@ -170,12 +164,7 @@ def test_optimization_profiles_refuse(kwargs, message):
     assert str(e.value) == message
 
 
-try:
-    import tensorrt_rtx  # noqa: F401
-
-    HAVE_RTX = True
-except ImportError:
-    HAVE_RTX = False
+HAVE_RTX = installed("tensorrt_rtx")
 
 
 @pytest.mark.skipif(not HAVE_RTX, reason="TensorRT-RTX not installed: pip install 'andrea-export[rtx]'")

@@ -9,7 +9,8 @@ from andrea_export.cli import main
 from andrea_export.config import ModelConfig
 from andrea_export.errors import BuildError, ConfigError
 from andrea_export.external_data import external_data_files
-from andrea_export.pipeline import BuildOptions, read_manifest, run_build, verify_build
+from andrea_export.buildfolder import read_manifest
+from andrea_export.pipeline import BuildOptions, run_build, verify_build
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
 

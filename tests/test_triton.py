@@ -24,7 +24,7 @@ from onnx import TensorProto, helper
 
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import MissingDependency
-from andrea_export.export import check_onnx
+from andrea_export.graphs import check_onnx
 from andrea_export.triton import PackageError, parse_config, write_triton_repo
 
 pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")

@@ -87,7 +87,7 @@ def test_triton_protocol_replayed_in_onnxruntime_decodes_like_our_runtime(packag
 
 
 def test_tensorrt_backend_uses_the_engine_profiles(lively_build, tmp_path):
-    with pytest.raises(PackageError, match="TensorRT-RTX plans do not load in Triton's TensorRT backend"):
+    with pytest.raises(PackageError, match="decoder engine was built by TensorRT-RTX, which Triton's TensorRT backend"):
         write_triton_decoder(lively_build, tmp_path / "repo", backend="tensorrt")
     trt = tmp_path / "trt-build"  # the same folder as a full-TensorRT build would describe it
     shutil.copytree(lively_build, trt)
@@ -117,6 +117,31 @@ def test_package_cli_writes_both_models(lively_build, tmp_path):
     runtime.load(lively_build, "onnxruntime").close()  # the build folder is still readable (no linked weights)
     cfg = parse_config((tmp_path / "repo" / "andrea-tiny-fp32-decoder-onnx" / "config.pbtxt").read_text())
     assert cfg.instance_group[0].kind == pb.ModelInstanceGroup.KIND_CPU
+
+
+def test_package_holds_the_build_lock_from_the_first_model_to_the_last(lively_build, tmp_path, monkeypatch):
+    """A build replacing the folder between the two models would leave a repository that mixes two builds:
+    when the decoder is written, the folder is still locked (a build's exclusive lock is refused)."""
+    from andrea_export import triton_decoder
+    from andrea_export.artifacts import locked_folder
+    from andrea_export.cli import main
+    from andrea_export.errors import BuildError
+
+    real = triton_decoder.write_triton_decoder
+    refused = []
+
+    def write_decoder(build_dir, *args, **kwargs):
+        try:
+            with locked_folder(build_dir):  # what `build` takes before it replaces the folder
+                pass
+        except BuildError as e:
+            refused.append(str(e))
+        return real(build_dir, *args, **kwargs)
+
+    monkeypatch.setattr(triton_decoder, "write_triton_decoder", write_decoder)
+    result = CliRunner().invoke(main, ["package", str(lively_build), "--triton", str(tmp_path / "repo"), "--kind", "cpu"])
+    assert result.exit_code == 0, result.output
+    assert len(refused) == 1 and "in use by another andrea-export run" in refused[0], refused
 
 
 def test_build_without_decoder_is_refused(lively_build, tmp_path):

@@ -42,12 +42,9 @@ The package, each part readable on its own:
 
 from __future__ import annotations
 
-from pathlib import Path  # noqa: F401  (bench.Path: the engine specs' type)
-
 from .backends import (
     BACKENDS,
     DEFAULT_BACKENDS,
-    Backend,
     Context,
     GenaiBackend,
     MemReadBackend,
@@ -56,36 +53,15 @@ from .backends import (
     TorchBackend,
     TrtBackend,
     Unavailable,
-    default_cache_dir,
     make_backends,
-    session_options,
-    torch_greedy,
-    weights_fingerprint,
 )
-from .goals import goals, print_summary
-from .harness import (
-    Settings,
-    Stats,
-    Timer,
-    cpu_timer,
-    cuda_event_timer,
-    interleaved_order,
-    percentile,
-    ratio_median,
-    run_interleaved,
-)
+from .goals import goals
+from .harness import Settings, Stats, interleaved_order, percentile, ratio_median, run_interleaved
 from .machine import combine_limits, environment, measure_machine
 from .report import OURS, PEERS, peers
 from .run import parse_engine_specs, parse_names, run_benchmark
 from .work import (
-    DECODE_GRID,
-    GENERATE_GRID,
-    PREFILL_GRID,
-    QUICK_DECODE_GRID,
-    QUICK_GENERATE_GRID,
-    QUICK_PREFILL_GRID,
     SCENARIOS,
-    _inputs,
     attention_flops,
     floor_seconds,
     forward_bytes,
@@ -96,27 +72,13 @@ from .work import (
 )
 
 __all__ = [
-    "BACKENDS",
-    "OURS",
-    "PEERS",
-    "GenaiBackend",
-    "OptimumBackend",
-    "peers",
-    "Settings",
-    "Stats",
-    "attention_flops",
-    "environment",
-    "floor_seconds",
-    "forward_bytes",
-    "forward_flops",
+    "BACKENDS", "DEFAULT_BACKENDS", "Context", "GenaiBackend", "MemReadBackend", "OptimumBackend", "OrtBackend",
+    "TorchBackend", "TrtBackend", "Unavailable", "make_backends",
     "goals",
-    "interleaved_order",
-    "matmul_params",
-    "measure_machine",
-    "percentile",
-    "ratio_median",
-    "run_benchmark",
-    "run_interleaved",
-    "scenario_work",
+    "Settings", "Stats", "interleaved_order", "percentile", "ratio_median", "run_interleaved",
+    "combine_limits", "environment", "measure_machine",
+    "OURS", "PEERS", "peers",
+    "parse_engine_specs", "parse_names", "run_benchmark",
+    "SCENARIOS", "attention_flops", "floor_seconds", "forward_bytes", "forward_flops", "matmul_params", "scenario_work",
     "weight_bytes",
 ]  # fmt: skip

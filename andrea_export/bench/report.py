@@ -35,6 +35,7 @@ Rows are matched across runs by ROW_KEY.
 from __future__ import annotations
 
 import csv
+import importlib
 import io
 import json
 from pathlib import Path
@@ -378,7 +379,7 @@ def write_outputs(doc: dict, out_dir: str | Path, plots: bool = True) -> dict[st
     }
     if plots:
         try:
-            import matplotlib  # noqa: F401
+            importlib.import_module("matplotlib")  # plots are optional: say so and write the rest
         except ImportError:
             from ..progress import warn
 

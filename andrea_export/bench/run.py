@@ -16,7 +16,7 @@ from ..config import ModelConfig, load_config
 from ..errors import AndreaExportError
 from ..model import Andrea
 from ..progress import console, styled
-from .backends import BACKENDS, DEFAULT_BACKENDS, Backend, Context, Unavailable, default_cache_dir, make_backends
+from .backends import DEFAULT_BACKENDS, Backend, Context, Unavailable, default_cache_dir, make_backends
 from .goals import goals, print_summary
 from .harness import Settings, Stats, cuda_event_timer, ratio_median, run_interleaved
 from .machine import _load_warnings, _loadavg, combine_limits, environment, measure_machine

@@ -385,7 +385,7 @@ def _varint(n: int) -> bytes:
 
 
 def _check(path: Path) -> None:
-    from ..export import check_onnx
+    from ..graphs import check_onnx
 
     try:
         check_onnx(path)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..buildfolder import MANIFEST
 from ..errors import installed
-from ..graphs import read_decoder
+from ..graphs import read_decoder_meta
 from ..names import DECODER_FILE, TOKENIZER_FILE
 from .base import InputError, Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
@@ -42,12 +42,12 @@ def tokenizer_path(path: str | Path) -> Path | None:
     return candidate if path.is_dir() and candidate.is_file() else None
 
 
-def _resolve(path: Path, backend: str) -> tuple[Path, Path | None]:
-    """(decoder ONNX, engine or None) for a build folder or a direct file path. A build folder gives ONNX
-    Runtime its in-place decoder where it has one (`backend` "onnxruntime")."""
+def _resolve(path: Path, backend: str, manifest: dict | None) -> tuple[Path, Path | None]:
+    """(decoder ONNX, engine or None) for a build folder (its validated `manifest`) or a direct file path.
+    A build folder gives ONNX Runtime its in-place decoder where it has one (`backend` "onnxruntime")."""
+    if manifest is not None:
+        return _from_build(path, manifest, backend)
     if path.is_dir():
-        if (path / MANIFEST).is_file():  # a build folder: its manifest names the graphs (decoder.fp16.onnx, ...)
-            return _from_build(path, backend)
         onnx_path = path / DECODER_FILE
         if not onnx_path.is_file():
             raise InputError(f"{path}: no KV-cache decoder graph in this folder (expected {DECODER_FILE} or a manifest.json)")
@@ -63,25 +63,34 @@ def _resolve(path: Path, backend: str) -> tuple[Path, Path | None]:
     raise InputError(f"no such build folder or ONNX file: {path}")
 
 
-def _from_build(folder: Path, backend: str) -> tuple[Path, Path | None]:
-    """A build folder's decoder graph and engine, after checking the manifest and that the files the chosen
-    backend runs are still the ones built (sha256): a changed file is refused, never run."""
-    from ..buildfolder import artifact, changed_artifacts, graph_weights, read_manifest
+def _build_manifest(path: Path) -> dict | None:
+    """The validated manifest of a build folder (what decoding needs, each field checked), or None for
+    anything else; read once per load."""
+    if not (path.is_dir() and (path / MANIFEST).is_file()):
+        return None
+    from ..buildfolder import read_manifest
 
-    m = read_manifest(folder, full=False, error=InputError)  # what decoding needs, each field checked
-    roles = [r for r in ("decoder_onnx", "decoder_onnx_inplace", "decoder_engine", "decoder_engine_info")
-             if r in m["artifacts"]]
-    if "decoder_onnx" not in roles:
+    return read_manifest(path, full=False, error=InputError)
+
+
+def _from_build(folder: Path, m: dict, backend: str) -> tuple[Path, Path | None]:
+    """A build folder's decoder graph and engine, after checking that every file the chosen backend reads
+    is still the one built (sha256): a changed file is refused, never run. ONNX Runtime reads its graph
+    (in-place on the CPU where there is one) and the weights it points into, never the engine; TensorRT
+    the standard graph (config, layout), the engine and its sidecar, and the weights (a stripped engine's refit)."""
+    from ..buildfolder import artifact, changed_artifacts, graph_weights
+
+    have = m["artifacts"]
+    if "decoder_onnx" not in have:
         raise InputError(f"{folder}: this build has no KV-cache decoder graph (it was built with --no-decoder); "
                          "rebuild it with the decoder to generate from it")
-    if backend == "onnxruntime" and "decoder_onnx_inplace" in roles:  # the standard graph is not read then
-        roles = [r for r in roles if r != "decoder_onnx"]
-    if changed := changed_artifacts(folder, {"artifacts": {r: m["artifacts"][r] for r in roles}}):
+    graph = "decoder_onnx_inplace" if backend == "onnxruntime" and "decoder_onnx_inplace" in have else "decoder_onnx"
+    roles = [graph] + [r for r in ("decoder_engine", "decoder_engine_info") if backend == "tensorrt" and r in have]
+    if changed := changed_artifacts(folder, {"artifacts": {r: have[r] for r in roles}}):
         raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
-    decoder = artifact(folder, m, "decoder_onnx_inplace" if "decoder_onnx_inplace" in roles and backend == "onnxruntime"
-                       else "decoder_onnx")
+    decoder = artifact(folder, m, graph)
     graph_weights(folder, m, decoder, InputError)  # the weights it points into are run too
-    return decoder, artifact(folder, m, "decoder_engine") if "decoder_engine" in roles else None
+    return decoder, artifact(folder, m, "decoder_engine") if "decoder_engine" in have else None
 
 
 def load(
@@ -102,14 +111,17 @@ def load(
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    path = Path(path)
+    manifest = _build_manifest(path)
     if backend == "auto":
-        backend = "tensorrt" if _has_engine(Path(path)) and installed("tensorrt") else "onnxruntime"
+        backend = "tensorrt" if _has_engine(path, manifest) and installed("tensorrt") else "onnxruntime"
     if backend == "onnxruntime" and not _cpu_only(providers):
         backend_graph = "onnxruntime-cuda"  # ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels
     else:
         backend_graph = backend
-    onnx_path, engine = _resolve(Path(path), backend_graph)
-    cfg, layout = read_decoder(onnx_path)  # ExportError with a clear message for a graph without the KV layout
+    onnx_path, engine = _resolve(path, backend_graph, manifest)
+    # one check of the graph; ExportError with a clear message for a graph without the KV layout
+    cfg, layout, meta = read_decoder_meta(onnx_path)
     if backend == "tensorrt":
         if engine is None:
             raise InputError(
@@ -123,18 +135,16 @@ def load(
         from .ort import OrtSession
 
         sess = OrtSession(onnx_path, cfg, layout, providers=providers, intra_op_threads=intra_op_threads)
-    sess.weights_source = weights_source(onnx_path)
+    sess.weights_source = weights_source(meta, onnx_path)
     return sess
 
 
-def _has_engine(path: Path) -> bool:
+def _has_engine(path: Path, manifest: dict | None) -> bool:
     """Whether `path` names or holds a decoder engine (what `auto` needs before choosing a graph)."""
     if path.is_file():
         return path.suffix in (".plan", ".engine")
-    if (path / MANIFEST).is_file():
-        from ..buildfolder import read_manifest
-
-        return "decoder_engine" in read_manifest(path, full=False, error=InputError)["artifacts"]
+    if manifest is not None:
+        return "decoder_engine" in manifest["artifacts"]
     return (path / ENGINE_FILE).is_file()
 
 
@@ -146,14 +156,12 @@ def _cpu_only(providers: list[str] | None) -> bool:
     return all(p == "CPUExecutionProvider" for p in chosen)
 
 
-def weights_source(onnx_path: Path) -> dict:
-    """What the graph's metadata records about its weights, checked ({} when nothing is recorded);
+def weights_source(meta: dict[str, str], onnx_path: Path) -> dict:
+    """What a graph's metadata records about its weights, checked ({} when nothing is recorded);
     {"kind": "random-init", ...} means the tokens are meaningless (the CLI says so)."""
     from ..buildfolder import check_weights_source, metadata_json
-    from ..graphs import read_metadata
     from ..names import WEIGHTS_KEY
 
-    meta = read_metadata(onnx_path)
     source = metadata_json(meta, WEIGHTS_KEY, onnx_path) if WEIGHTS_KEY in meta else {}
     if source != {}:
         check_weights_source(source, f"{onnx_path}: metadata '{WEIGHTS_KEY}'")

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..kvcache import ATTENTION_MASK, INPUT_IDS, LOGITS, KVLayout, kv_layout, read_kv_layout
+from ..graphs import KVLayout, kv_layout, read_kv_layout
 from ..model import Andrea
+from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
 from .base import Session, check_ids
 
 # fp32: an element fails only if BOTH its absolute and relative error exceed these (Polygraphy's rule).

@@ -20,7 +20,8 @@ import torch.nn as nn
 from andrea_export.build import network_flags
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.errors import PluginError
-from andrea_export.export import CONFIG_KEY, export_onnx, op_counts
+from andrea_export.export import export_onnx, op_counts
+from andrea_export.names import CONFIG_KEY
 from andrea_export.model import Andrea
 from andrea_export.passes import apply_gelu_plugin
 from andrea_export.passes.gelu_plugin import PLUGIN_KEY

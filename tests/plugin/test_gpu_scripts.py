@@ -43,7 +43,7 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path):
     why = {r["section"]: r["detail"] for r in rows}
     assert why["PTX load"] == "no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU host"
     assert why["native engine"] == "needs plugin engine (SKIP)"
-    if not __import__("andrea_export.build", fromlist=["installed"]).installed("tensorrt"):
+    if not __import__("andrea_export.errors", fromlist=["installed"]).installed("tensorrt"):
         assert why["plugin engine"].startswith("TensorRT is not installed (pip install 'andrea-export[tensorrt]')")
 
 

@@ -19,8 +19,9 @@ from fake_cuda import DataType, FakeCudart, _Fault, cudaError_t, fake_tensorrt, 
 from andrea_export import runtime
 from andrea_export.artifacts import sha256_file
 from andrea_export.config import ANDREA_TINY
-from andrea_export.export import read_config
-from andrea_export.kvcache import optimization_profiles, read_kv_layout
+from andrea_export.graphs import read_config
+from andrea_export.graphs import read_kv_layout
+from andrea_export.kvcache import optimization_profiles
 from andrea_export.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
 from andrea_export.runtime.ort import OrtSession
 from andrea_export.runtime.trt import CudaError

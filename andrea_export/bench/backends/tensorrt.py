@@ -99,7 +99,8 @@ class TrtBackend(Backend):
         return self._bound("prefill", {INPUT_IDS: ids})
 
     def decode(self, ids, mask, past):
-        from ...kvcache import ATTENTION_MASK, INPUT_IDS, kv_layout
+        from ...graphs import kv_layout
+        from ...names import ATTENTION_MASK, INPUT_IDS
 
         names = kv_layout(self.cfg).past_names
         return self._bound("decode", {INPUT_IDS: ids, ATTENTION_MASK: mask, **dict(zip(names, past))})
