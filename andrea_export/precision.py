@@ -82,27 +82,30 @@ FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/
 # fp32 is held to 1e-4 (the foundation issue's bar: about 1e-4 relative on the logits).
 #
 # Weight-only int8 / int4 (quantize.py: ONNX Runtime's MatMulNBits, symmetric round-to-nearest, int8
-# blocks of 64, int4 blocks of 32, tied head quantized too), ONNX Runtime CPU, trained andrea-tiny,
-# random ids batch 4 x 128 / the build's default shapes:
+# blocks of 64, int4 blocks of 32, tied head quantized too, accuracy_level 4: int8 x int8 products),
+# ONNX Runtime CPU (AVX-512 VNNI), trained andrea-tiny, the build's default shapes (worst of them):
 #
 #   graph        max|err|      top-1     max KL     perplexity (held-out text, vs PyTorch fp32 343.83)
-#   int8         0.127         98.2 %    1.6e-4     343.92 (+2.7e-4)
-#   int4         1.68          63.1 %    3.5e-2     345.93 (+6.1e-3)
+#   int8         0.221         96.5 %    8.7e-4     344.00 (+5.0e-4)
+#   int4         1.50          64.1 %    2.5e-2     345.98 (+6.3e-3)
 #
-# Their logit bounds are about 3x the worst measurement (random ids are where the tiny model's
-# next-token distribution is flattest, so top-1 flips most: on held-out text int4 keeps far more);
-# their perplexity bounds are the issue's goals: int8 within 1 %, int4 within 5 % of fp32.
+# (Before accuracy_level 4, with weights dequantized to float32 in the product: int8 0.127, 98.2 %,
+# 1.6e-4, +2.7e-4; int4 1.68, 63.1 %, 3.5e-2, +6.1e-3. The Q/DQ graphs the engines get still compute
+# that way: int8 0.119, 98.8 %, 9.1e-5, +5.6e-4.) Their logit bounds are about 3x the worst measurement
+# (random ids are where the tiny model's next-token distribution is flattest, so top-1 flips most: on
+# held-out text int4 keeps far more); their perplexity bounds are the issue's goals: int8 within 1 %,
+# int4 within 5 % of fp32.
 TOLERANCES = {
     "fp32": dict(rtol=1e-4, atol=1e-4),
     "fp16": dict(rtol=1e-2, atol=3e-2),
     "bf16": dict(rtol=2e-2, atol=4e-1),
-    "int8": dict(rtol=5e-2, atol=4e-1),
+    "int8": dict(rtol=5e-2, atol=6e-1),
     "int4": dict(rtol=2e-1, atol=5.0),
 }
 # Least share of positions whose top-1 token must agree with the reference (same measurements).
 # int4 has no top-1 floor: on random ids its top-1 flips at a quarter to a third of positions, and
 # verify's one-token shape is then 0 or 1 (measured 0: the floor used to be 0, which gated nothing).
-MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.95}
+MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.9}
 # Least top-5 overlap (the share of the reference's 5 likeliest tokens among the artifact's), for int4
 # in place of top-1. Trained andrea-tiny, verify's default shapes and seed, ONNX Runtime CPU: int4
 # 0.844 .. 1.0 (text 0.941); broken int4 graphs: nibbles swapped 0.05 .. 0.11 (0.40 on one token),
@@ -110,9 +113,9 @@ MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.95}
 # share it misses and fails the first two at every shape of more than one token (KL fails them too).
 MIN_TOP5 = {"int4": 0.6}
 # Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
-# trained models' worst above times >= 7 (random weights: fp32 3e-13, fp16 3e-9, bf16 7e-7). A wrong
-# kernel gives 1e-1 and up.
-MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2, "int8": 1e-3, "int4": 1e-1}
+# trained models' worst above times >= 7, int8 and int4 >= 3.4 (random weights: fp32 3e-13, fp16 3e-9,
+# bf16 7e-7). A wrong kernel gives 1e-1 and up.
+MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2, "int8": 3e-3, "int4": 1e-1}
 # Largest relative difference of an artifact's perplexity on real text from PyTorch fp32's (verify with
 # an evaluation text: build --tokenizer --eval-text). Measured above: fp16 1.9e-5, bf16 2.9e-4; the
 # bounds leave >= 17x margin (the issue asks for 1 %; a drift of 0.5 % is already a defect).

@@ -20,12 +20,14 @@ from andrea_export.quantize import (QUANT, TIED_HEAD, check_model_shape, matmuln
 TINY_MATMULS = sorted([(64, 192), (64, 64), (64, 256), (256, 64)] * ANDREA_TINY.n_layer + [(64, ANDREA_TINY.vocab_size)])
 
 
-def _run(path, ids, qdq_accuracy_level_0=False):
+def _run(path, ids, qdq_accuracy_level=None):
+    """Logits of `path` in ONNX Runtime; `qdq_accuracy_level`: the level of the MatMulNBits that ONNX
+    Runtime fuses a 4-bit DequantizeLinear -> MatMul into (to compute as quantize.py's nodes do)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
-    if qdq_accuracy_level_0:
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    if qdq_accuracy_level is not None:
+        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(qdq_accuracy_level))
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"]).run(None, {"input_ids": ids})[0]
 
 
@@ -60,7 +62,7 @@ def test_int4_qdq_graph_holds_the_same_weights(tiny_onnx, tmp_path):
     assert {inits[n.input[0]].data_type for n in dq} == {onnx.TensorProto.INT4}
     assert {onnx.helper.get_attribute_value(a) for n in dq for a in n.attribute if a.name == "block_size"} == {32}
     ids = np.random.default_rng(0).integers(0, ANDREA_TINY.vocab_size, (2, 32))
-    np.testing.assert_allclose(_run(qdq, ids, qdq_accuracy_level_0=True), _run(nbits, ids), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(_run(qdq, ids, qdq_accuracy_level=QUANT["int4"]["accuracy_level"]), _run(nbits, ids), atol=1e-4, rtol=1e-4)
 
 
 def test_int8_qdq_scales_are_positive_and_weights_match(tiny_onnx, tmp_path):
@@ -128,8 +130,9 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
     assert a["onnx_qdq"] == f"model.{precision}.qdq.onnx" and a["decoder_onnx_qdq"] == f"decoder.{precision}.qdq.onnx"
     assert a["weights"] == f"weights.{precision}.data"
     assert manifest["builder"]["source_graph"] == a["onnx_qdq"]  # the engine is built from the Q/DQ graph
-    assert {(m["bits"], m["block_size"]) for m in matmulnbits(onnx.load(str(out / a["decoder_onnx"])))} == {
-        (QUANT[precision]["bits"], QUANT[precision]["block_size"])}
+    for graph in (a["decoder_onnx"], a["decoder_onnx_inplace"]):
+        assert {(m["bits"], m["block_size"], m["accuracy_level"]) for m in matmulnbits(onnx.load(str(out / graph)))} == {
+            (QUANT[precision]["bits"], QUANT[precision]["block_size"], 4)}  # int8 x int8 on the CPU (see quantize.py)
     assert report["perplexity"]["computed"] and report["perplexity"]["max_rel_diff"] == MAX_PPL_REL[precision]
     assert {c["artifact"] for c in report["comparisons"]} == {"onnxrt", "onnxrt-plugin"}
     for c in report["comparisons"]:
@@ -183,7 +186,8 @@ def test_verification_runs_the_qdq_graph_as_the_engine_computes_it(tiny_onnx, tm
     runner = onnxrt_runner(qdq)
     with runner:
         got = runner.infer({"input_ids": ids})["logits"]
-    np.testing.assert_allclose(got, _run(nbits, ids), atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(got, _run(qdq, ids, qdq_accuracy_level=0), atol=1e-5, rtol=1e-5)
+    assert not np.allclose(got, _run(nbits, ids), atol=1e-4, rtol=1e-4)  # ONNX Runtime's int8 x int8 nodes differ
 
 
 def test_verify_cli_reverifies_a_quantized_build_with_its_decoder(quantized_build, demo_dir):
