@@ -222,7 +222,7 @@ def test_inplace_decode_step_is_the_standard_step(run):
     assert (inplace.name, inplace.cache, concat.name) == ("ort-cpu", "inplace", "ort-cpu-concat")
     inplace.setup(ctx), concat.setup(ctx)
     for batch, P in ((1, 1), (2, 15)):
-        ids, mask, past = bench._inputs(cfg, "decode", batch, 1, P, seed=1)
+        ids, mask, past = _inputs(cfg, "decode", batch, 1, P, seed=1)
         want = concat.decode(ids, mask, past)().copy_outputs_to_cpu()  # logits, then present [B, H, P + 1, D] each
         step = inplace.decode(ids, mask, past)
         binding = step()
