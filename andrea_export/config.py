@@ -82,8 +82,9 @@ def check_name(name, what: str = "model config: field 'name'", error: type[Excep
     """`name` when it is a safe name (letters, digits, '_', '-', '.'; starts with a letter or digit; at most
     MAX_NAME characters), else `error` saying what `what` must be."""
     if not isinstance(name, str) or not NAME_RE.fullmatch(name):
+        got = f"{len(name)} characters" if isinstance(name, str) and len(name) > MAX_NAME else repr(name)[:80]
         raise error(f"{what} must be 1-{MAX_NAME} letters, digits, '_', '-' or '.', starting with a letter or digit "
-                    f"(it names a folder), got {name!r:.80}")
+                    f"(it names a folder), got {got}")
     return name
 
 
