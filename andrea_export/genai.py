@@ -63,6 +63,10 @@ def genai_config(decoder_onnx: str | Path, *, eos_token_id: int | list[int] | No
     cfg, layout = read_decoder(decoder_onnx)  # one check; the graph's I/O is exactly the recorded layout
     if provider not in PROVIDERS:
         raise ExportError(f"unknown onnxruntime-genai provider {provider!r}; choose one of {', '.join(PROVIDERS)}")
+    if layout.shared and layout.cache_dtype == "float32" and provider != "cpu":
+        raise ExportError(f"{decoder_onnx.name}: a float32 in-place decoder runs on genai's cpu provider only (ONNX "
+                          f"Runtime's GPU GroupQueryAttention has no float32 kernels); for {provider} write the "
+                          "config for the build's decoder.onnx")
     eos = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id or [cfg.vocab_size - 1])
     for name, ids in (("eos_token_id", eos), ("bos_token_id", [bos_token_id]), ("pad_token_id", [pad_token_id])):
         for i in ids:

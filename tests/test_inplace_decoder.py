@@ -126,3 +126,16 @@ def test_steps_past_the_buffer_are_refused(session):
             steps.decode(np.array([5]), np.ones((1, 5), np.int64))
     with session._steps(8) as steps, pytest.raises(ValueError, match="0s then 1s"):
         steps.prefill(np.array([[1, 2, 0]]), np.array([[1, 1, 0]]))  # right padding handed in: not the contract
+
+
+def test_the_in_place_graph_runs_on_the_cpu_provider_only(inplace, lively_decoder):
+    """A GroupQueryAttention node falling back from CUDA to the CPU would update a copy of the buffer."""
+    from andrea_export.genai import genai_config
+    from andrea_export.runtime.base import InputError
+
+    assert runtime.load(inplace, "onnxruntime").session.get_providers() == ["CPUExecutionProvider"]
+    with pytest.raises(InputError, match="CPU provider only"):
+        runtime.load(inplace, "onnxruntime", providers=["CUDAExecutionProvider", "CPUExecutionProvider"])
+    with pytest.raises(ExportError, match="cpu provider only"):
+        genai_config(inplace, provider="cuda")
+    assert genai_config(lively_decoder, provider="cuda")["search"]["past_present_share_buffer"] is False

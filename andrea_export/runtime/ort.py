@@ -31,9 +31,19 @@ from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
 from .base import Session, Steps
 
 
-def _providers(requested: list[str] | None) -> list[str]:
+def _providers(requested: list[str] | None, layout: KVLayout, source) -> list[str]:
+    """The providers a session gets: the requested ones, else CUDA (when present) then CPU. The in-place
+    graph runs on the CPU provider only: ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels,
+    and a node that falls back to the CPU would update a copy of the device buffer, not the buffer."""
     import onnxruntime as ort
 
+    if layout.shared:
+        if requested and list(requested) != ["CPUExecutionProvider"]:
+            from .base import InputError
+
+            raise InputError(f"{source}: the in-place decoder runs on ONNX Runtime's CPU provider only (asked for "
+                             f"{', '.join(requested)}); for CUDA load the build's decoder.onnx")
+        return ["CPUExecutionProvider"]
     if requested:
         return list(requested)
     available = ort.get_available_providers()
@@ -59,7 +69,7 @@ class OrtSession(Session):
         opts.log_severity_level = 3
         if intra_op_threads:
             opts.intra_op_num_threads = intra_op_threads
-        self.session = ort.InferenceSession(str(onnx_path), opts, providers=_providers(providers))
+        self.session = ort.InferenceSession(str(onnx_path), opts, providers=_providers(providers, layout, onnx_path))
         on_gpu = self.session.get_providers()[0] == "CUDAExecutionProvider"
         self.device = ("cuda", 0) if on_gpu else ("cpu", 0)
 
