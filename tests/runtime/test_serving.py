@@ -16,7 +16,17 @@ import pytest
 import andrea_export
 from andrea_export import runtime
 from andrea_export.runtime import Request
-from andrea_export.runtime.ort import _OrtSteps
+
+@pytest.fixture(scope="module", params=["standard", "in-place"])
+def session(request, build_dir, lively_model, tmp_path_factory):
+    """Both decoders ONNX Runtime runs: the standard one, and the in-place one a build gives the CPU."""
+    if request.param == "standard":
+        return runtime.load(build_dir, backend="onnxruntime")
+    from andrea_export.inplace_decoder import export_inplace_decoder
+
+    path = export_inplace_decoder(lively_model, tmp_path_factory.mktemp("inplace") / "decoder.inplace.onnx", quiet=True)
+    return runtime.load(path, backend="onnxruntime")
+
 
 STRATEGIES = [
     {"strategy": "greedy"},
@@ -57,7 +67,7 @@ def test_a_serial_session_takes_turns(session):
 
         def __init__(self):
             super().__init__(session.cfg, session.layout, "one cache")
-            self.cache, self.length = _OrtSteps(session), 0
+            self.cache, self.length = session._steps().__enter__(), 0  # the session's own kind of cache
 
         def _prefill(self, ids):
             self.length = len(ids)
