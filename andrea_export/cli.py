@@ -419,7 +419,7 @@ def train_demo(out, seed, steps, threads):
 @config_option
 @seed_option
 @click.option("--quick", is_flag=True, help="Small grids and few repeats: 1-2 minutes for ANDREA-120M on 2 cores.")
-@click.option("--backends", default="torch,ort-cpu,ort-cpu-concat,ort-cuda,trt-native,trt-plugin,optimum,genai",
+@click.option("--backends", default="torch,ort-cpu,ort-cpu-concat,ort-cpu-int8,ort-cpu-int4,ort-cuda,trt-native,trt-plugin,optimum,genai",
               show_default=True,
               help="Comma-separated. Backends this host cannot run are reported as skipped, with the reason. "
                    "optimum and genai are the peers (what users run instead), reported as time / ort-cpu's; "

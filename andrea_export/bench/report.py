@@ -17,8 +17,10 @@ The document (schema_version 1):
     }
 
     ROW   = {"scenario": "prefill" | "decode" | "generate", "backend", "batch", "seq", "past", "new_tokens",
-             "tokens", "n", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv",
+             "tokens", "n", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv", "precision",
              "flops", "bytes", "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer"}
+            precision: "fp32", "int8" or "int4" (the weights); non-fp32 rows have null bytes, floor_ms, bound,
+            x_floor and gbps (the floor is fp32's: their speed is reported against ours instead)
             x_ours = median over rounds of t_backend / t_ours (OURS ran in the same rounds; else null)
     RATIO = {"scenario", "batch", "seq", "past", "new_tokens", "baseline", "backend", "speedup"}
             speedup = median over iterations of t_baseline / t_backend (> 1: backend is faster)
@@ -48,7 +50,7 @@ KIND = "andrea-export-bench"
 ROW_KEY = ("scenario", "backend", "batch", "seq", "past", "new_tokens")
 CSV_FIELDS = (
     "scenario", "backend", "batch", "seq", "past", "new_tokens", "tokens", "n",
-    "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv",
+    "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv", "precision",
     "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer",
 )  # fmt: skip
 OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it

@@ -135,6 +135,7 @@ def run_benchmark(
         machine["cuda"] = measure_machine(threads, quick=quick, device="cuda")
 
     devices = {b.name: b.device for b in active}
+    precisions = {b.name: getattr(b, "precision", "fp32") for b in active}
     measured, ratios, failed = [], [], []
     progress = _progress(quiet)
     with progress:
@@ -177,7 +178,7 @@ def run_benchmark(
                 x_ours = ratio_median(s, samples[OURS]) if OURS in samples else None  # t / t_ours, paired by round
                 measured.append((scenario, name, batch, seq, past, new_tokens, Stats.from_ns(s), flops, nbytes,
                                  devices[name], "cuda-events" if timers[name] is cuda_event_timer else "perf_counter_ns",
-                                 x_ours))  # fmt: skip
+                                 x_ours, precisions[name]))  # fmt: skip
             names = list(samples)
             for i, base in enumerate(names):  # every pair, the earlier backend as baseline
                 for other in names[i + 1:]:
@@ -234,16 +235,21 @@ def run_benchmark(
 
 
 def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbytes, machine, timer,
-         x_ours: float | None = None) -> dict:  # fmt: skip
+         x_ours: float | None = None, precision: str = "fp32") -> dict:  # fmt: skip
+    """One result row. The floor (and GB/s) is fp32's: bytes of fp32 weights, the fp32 matmul rate. A
+    quantized backend's row leaves floor, bound, x_floor and gbps out (null) rather than set its time
+    against a floor it does not share; its speed is reported against ours (fp32) instead."""
     floor_s, bound = floor_seconds(flops, nbytes, machine)
     med_s = st.median_ms / 1e3
+    fp32 = precision == "fp32"
     tokens = batch * (seq if scenario == "prefill" else new_tokens)
     return {
         "scenario": scenario, "backend": backend, "batch": batch, "seq": seq, "past": past, "new_tokens": new_tokens,
         "tokens": tokens, **{k: v for k, v in dataclasses.asdict(st).items()},
-        "flops": flops, "bytes": nbytes, "floor_ms": floor_s * 1e3, "bound": bound,
-        "x_floor": med_s / floor_s if floor_s else None,
-        "gflops": flops / med_s / 1e9 if med_s else None, "gbps": nbytes / med_s / 1e9 if med_s else None,
+        "precision": precision, "flops": flops, "bytes": nbytes if fp32 else None,
+        "floor_ms": floor_s * 1e3 if fp32 else None, "bound": bound if fp32 else None,
+        "x_floor": med_s / floor_s if (floor_s and fp32) else None,
+        "gflops": flops / med_s / 1e9 if med_s else None, "gbps": nbytes / med_s / 1e9 if (med_s and fp32) else None,
         "tokens_per_s": tokens / med_s if med_s else None, "x_ours": x_ours, "timer": timer,
     }  # fmt: skip
 

@@ -14,7 +14,7 @@ from .ort import OrtBackend, session_options
 from .pytorch import TorchBackend, torch_greedy
 from .tensorrt import TrtBackend
 
-BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cuda", "trt-native", "trt-plugin", "optimum",
+BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ort-cuda", "trt-native", "trt-plugin", "optimum",
             "genai", "optimum-hf-folder")
 DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
 
@@ -30,6 +30,8 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
             out.append(OrtBackend("CPUExecutionProvider", spin=ort_spin))
         elif n == "ort-cpu-concat":  # ours on the standard graph: what the in-place cache gains
             out.append(OrtBackend("CPUExecutionProvider", spin=ort_spin, cache="concat"))
+        elif n in ("ort-cpu-int8", "ort-cpu-int4"):  # ours, weight-only quantized from the same weights
+            out.append(OrtBackend("CPUExecutionProvider", spin=ort_spin, precision=n.rsplit("-", 1)[1]))
         elif n == "ort-cuda":
             out.append(OrtBackend("CUDAExecutionProvider", spin=ort_spin))
         elif n == "optimum":

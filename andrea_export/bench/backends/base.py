@@ -62,13 +62,20 @@ class Context:
             raise Unavailable(f"no in-place decoder export in this andrea-export ({e})") from None
         return self.cached(INPLACE_DECODER_FILE, lambda p: export_inplace_decoder(self.model, p, quiet=self.quiet))
 
+    def quantized(self, fp32: Path, precision: str) -> Path:
+        """The weight-only `precision` ("int8" / "int4") graph of the fp32 export `fp32` (quantize.py),
+        cached beside it as <stem>.<precision>.onnx."""
+        from ...quantize import quantize_weights
+
+        return self.cached(f"{fp32.stem}.{precision}.onnx", lambda p: quantize_weights(fp32, p, precision))
+
 
 def _exporter_fingerprint() -> str:
     """sha256 (8 hex digits) of the sources that shape the exported graphs, so a changed exporter never
     reuses a stale cached file."""
     h = hashlib.sha256()
     here = Path(__file__).resolve().parents[2]  # andrea_export/
-    for f in ("model.py", "export.py", "kvcache.py", "inplace_decoder.py", "graphs.py"):
+    for f in ("model.py", "export.py", "kvcache.py", "inplace_decoder.py", "graphs.py", "quantize.py", "precision.py"):
         with contextlib.suppress(OSError):
             h.update((here / f).read_bytes())
     h.update(torch.__version__.encode())

@@ -26,6 +26,14 @@ def session_options(threads: int, spin: bool = False):
     return so
 
 
+PRECISIONS = {  # the weights a backend's graphs hold -> what the report says about them
+    "fp32": "fp32",
+    "int8": "int8 weight-only (quantize.py: MatMulNBits, blocks of 64, accuracy_level 4: int8 x int8 products; "
+            "embedding gather table fp32)",
+    "int4": "int4 weight-only (quantize.py: MatMulNBits, blocks of 32, accuracy_level 4: int8 x int8 products; "
+            "embedding gather table fp32)",
+}
+
 CACHES = {  # the KV-cache decoder a backend runs -> what the report says about it
     "inplace": "decoder.inplace.onnx: in-place cache (GroupQueryAttention; past and present one buffer per "
                "layer and kind, bound once)",
@@ -45,17 +53,25 @@ class OrtBackend(Backend):
     here, because spinning threads left over from one backend's call steal the cores of the next one in
     an interleaved run; the setting is recorded."""
 
-    def __init__(self, provider: str = "CPUExecutionProvider", spin: bool = False, cache: str | None = None):
+    def __init__(self, provider: str = "CPUExecutionProvider", spin: bool = False, cache: str | None = None,
+                 precision: str = "fp32"):  # fmt: skip
         self.provider = provider
+        if precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
+        self.precision = precision
         self.spin = spin
         self.cuda = provider == "CUDAExecutionProvider"
         self.cache = cache or ("concat" if self.cuda else "inplace")
         if self.cache not in CACHES:
             raise ValueError(f"cache must be one of {', '.join(CACHES)}, not {cache!r}")
+        if precision != "fp32" and (self.cuda or self.cache != "inplace"):
+            raise ValueError("int8 / int4 (MatMulNBits) run on the CPU provider's in-place decoder only")
         if self.cuda and self.cache == "inplace":
             raise ValueError("ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels: the CUDA provider "
                              "runs the standard decoder")  # fmt: skip
         self.name = "ort-cuda" if self.cuda else "ort-cpu" if self.cache == "inplace" else "ort-cpu-concat"
+        if precision != "fp32":
+            self.name = f"ort-cpu-{precision}"
         self.device = "cuda" if self.cuda else "cpu"
         self._sessions = {}
 
@@ -78,7 +94,8 @@ class OrtBackend(Backend):
         self.ctx = ctx
         self.options = session_options(ctx.threads, self.spin)
         return {"threads": ctx.threads, "inter_op_threads": 1, "provider": self.provider, "spin_wait": self.spin,
-                "graph_optimization": "ORT_ENABLE_ALL", "io_binding": True, "decoder_graph": CACHES[self.cache]}  # fmt: skip
+                "graph_optimization": "ORT_ENABLE_ALL", "io_binding": True, "decoder_graph": CACHES[self.cache],
+                "precision": PRECISIONS[self.precision]}  # fmt: skip
 
     @property
     def _same_prefill(self) -> bool:
@@ -100,12 +117,17 @@ class OrtBackend(Backend):
         if role == "decode" and getattr(self, "_missing", None):
             raise Unavailable(self._missing)
         if role not in self._sessions:
-            path = self.ctx.prefill_onnx() if role == "prefill" else self._decoder_onnx()
+            path = self._graph(self.ctx.prefill_onnx) if role == "prefill" else self._decoder_onnx()
             self._sessions[role] = ort.InferenceSession(str(path), self.options, providers=[self.provider])
         return self._sessions[role]
 
     def _decoder_onnx(self):
-        return self.ctx.inplace_decoder_onnx() if self.inplace else self.ctx.decoder_onnx()
+        return self._graph(self.ctx.inplace_decoder_onnx if self.inplace else self.ctx.decoder_onnx)
+
+    def _graph(self, fp32_export):
+        """The fp32 export, or its quantized copy (same weights) for ort-cpu-int8 / -int4."""
+        path = fp32_export()
+        return path if self.precision == "fp32" else self.ctx.quantized(path, self.precision)
 
     def _bound(self, sess, feeds: dict[str, np.ndarray]) -> Callable[[], object]:
         import onnxruntime as ort
