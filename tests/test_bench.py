@@ -51,8 +51,10 @@ def test_stats_of_one_sample():
 
 
 def test_interleaved_order():
-    assert bench.interleaved_order(["a", "b"], 3) == ["a", "b", "a", "b", "a", "b"]
+    # round r starts at backend r mod n: no backend always follows the same peer
+    assert bench.interleaved_order(["a", "b"], 3) == ["a", "b", "b", "a", "a", "b"]
     assert bench.interleaved_order(["a", "b", "c"], 1) == ["a", "b", "c"]
+    assert bench.interleaved_order(["a", "b", "c"], 4) == ["a", "b", "c", "b", "c", "a", "c", "a", "b", "a", "b", "c"]
     assert bench.interleaved_order(["a", "b"], 3, interleave=False) == ["a", "a", "a", "b", "b", "b"]
 
 
@@ -64,10 +66,34 @@ def test_run_interleaved_alternates_and_pairs_samples():
     settings = bench.Settings(warmup=2, warmup_s=0.0, min_repeats=4, max_repeats=6, budget_s=1.0, gap_s=0.0)
     rounds_seen = []
     samples = bench.run_interleaved(fns, settings, timers, on_round=lambda d, t: rounds_seen.append((d, t)))
-    assert calls == ["a", "b"] * (len(calls) // 2)  # strictly A B A B ..., warm-up included
+    timed = calls[-12:]
+    assert timed == ["a", "b", "b", "a"] * 3  # each round starts at the next backend
     assert len(samples["a"]) == len(samples["b"]) == 6  # budget 1 s / 3 ms per round, clamped to max_repeats
     assert rounds_seen[-1] == (6, 6)
     assert bench.ratio_median(samples["a"], samples["b"]) == pytest.approx(2.0)
+
+
+def test_run_interleaved_rotates_and_keeps_rounds_paired():
+    """Three fake backends whose time is set per round: each backend's r-th sample must be round r's,
+    whichever position it ran at, and the start rotates."""
+    calls, rnd = [], {"r": 0}
+    fns = {k: (lambda k=k: calls.append(k)) for k in ("x", "y", "z")}
+    factor = {"x": 3, "y": 2, "z": 1}
+
+    def timer_for(k):
+        def t(fn):
+            fn()
+            r = sum(1 for c in calls if c == k)  # this backend's call count = its round, warm-up included
+            return factor[k] * 1_000_000 * r  # round r: x = 3r ms, y = 2r ms, z = r ms (drift across rounds)
+        return t
+
+    settings = bench.Settings(warmup=1, warmup_s=0.0, min_repeats=5, max_repeats=5, budget_s=0.0, gap_s=0.0)
+    samples = bench.run_interleaved(fns, settings, {k: timer_for(k) for k in fns})
+    timed = calls[-15:]
+    assert [timed[3 * i] for i in range(5)] == ["x", "y", "z", "x", "y"]  # round r starts at r mod 3
+    assert all(sorted(timed[3 * i:3 * i + 3]) == ["x", "y", "z"] for i in range(5))  # each once per round
+    assert samples["x"] == [3 * s for s in samples["z"]] and samples["y"] == [2 * s for s in samples["z"]]
+    assert bench.ratio_median(samples["x"], samples["z"]) == 3.0 and bench.ratio_median(samples["y"], samples["z"]) == 2.0
 
 
 def test_ratio_median_cancels_drift():

@@ -70,11 +70,13 @@ class Stats:
 
 
 def interleaved_order(names: list[str], rounds: int, interleave: bool = True) -> list[str]:
-    """The order calls are made in: every round runs each backend once, in the same order (A B A B ...);
-    with interleave=False each backend's rounds run as one block (A A A B B B)."""
+    """The order calls are made in: every round runs each backend once, round r starting at backend
+    r mod n (A B, B A, A B ...), so that no backend always follows the same peer (a spin-waiting one
+    would slow it in every round); with interleave=False each backend's rounds run as one block (A A A B B B)."""
     if not interleave:
         return [name for name in names for _ in range(rounds)]
-    return [name for _ in range(rounds) for name in names]
+    n = len(names)
+    return [names[(r + i) % n] for r in range(rounds) for i in range(n)]
 
 
 def ratio_median(baseline_ns: list[int], other_ns: list[int]) -> float:
@@ -137,7 +139,7 @@ def run_interleaved(
     for i, n in enumerate(order):
         _settle(settings.gap_s, len(names))
         samples[n].append(timers.get(n, cpu_timer)(fns[n]))
-        if on_round and (i + 1) % len(names) == 0:
+        if on_round and (i + 1) % len(names) == 0:  # samples[n][r] is round r's: pairing by round holds
             on_round((i + 1) // len(names), rounds)  # with interleave=False: calls done / backends
     return samples
 
