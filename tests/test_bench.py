@@ -211,8 +211,42 @@ def test_run_rows_and_skips(run):
     assert len(m["measurements"]) == 2  # at the start and at the end; the best of each figure counts
     assert m["matmul_GFLOPs"] == max(x["matmul_GFLOPs"] for x in m["measurements"])
     assert m["matmul_GFLOPs"] == max(m["torch_matmul_GFLOPs"], m["ort_matmul_GFLOPs"])
-    assert len(doc["goals"]) == 6 and all(g["met"] is None for g in doc["goals"])  # not in this tiny grid, no peers
+    assert len(doc["goals"]) == 10 and all(g["met"] is None for g in doc["goals"])  # not in this tiny grid, no peers
     assert isinstance(doc["warnings"], list) and len(doc["loadavg_end"]) == 3
+
+
+def test_quantized_backends_run_and_report_precision(run):
+    """ort-cpu-int8 / -int4: ours on graphs quantized (quantize.py) from the same weights, cached beside the
+    fp32 exports; their rows say their precision and leave the fp32 floor out."""
+    import onnx
+
+    from andrea_export.checkpoint import random_init
+    from andrea_export.quantize import matmulnbits
+
+    cache = run[1] / "cache"
+    doc = bench.run_benchmark(
+        model=random_init(ANDREA_TINY, seed=0, announce=False), backends=("ort-cpu", "ort-cpu-int8", "ort-cpu-int4"),
+        quick=True, threads=2, settings=bench.Settings(warmup=1, warmup_s=0.0, min_repeats=3, max_repeats=3, budget_s=0.0),
+        prefill_grid=[(1, 16)], decode_grid=[(2, 15)], generate_grid=[(1, 8, 3)], workdir=cache, quiet=True,
+    )  # fmt: skip
+    for name, precision in (("ort-cpu", "fp32"), ("ort-cpu-int8", "int8"), ("ort-cpu-int4", "int4")):
+        info = doc["backends"][name]
+        assert info["status"] == "ok" and info["precision"].startswith(precision), info
+        assert info["decoder_graph"].startswith("decoder.inplace.onnx: in-place cache")
+        rows = [r for r in doc["rows"] if r["backend"] == name]
+        assert sorted(r["scenario"] for r in rows) == ["decode", "generate", "prefill"]
+        for r in rows:
+            assert r["precision"] == precision and r["median_ms"] > 0 and r["tokens_per_s"] > 0
+            if precision == "fp32":
+                assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"]) and r["gbps"] > 0
+            else:  # the floor is fp32 bytes at the fp32 matmul rate: not theirs
+                assert r["x_floor"] is r["floor_ms"] is r["bound"] is r["gbps"] is r["bytes"] is None
+    (folder,) = [d for d in cache.iterdir() if (d / "decoder.inplace.onnx").is_file()]
+    for precision, bits in (("int8", 8), ("int4", 4)):
+        for stem in ("model", "decoder.inplace"):
+            nodes = matmulnbits(onnx.load(str(folder / f"{stem}.{precision}.onnx"), load_external_data=False))
+            assert nodes and all(n["bits"] == bits for n in nodes), (stem, precision, nodes[:1])
+    assert "precision" in bench_report.to_csv(doc).splitlines()[0]
 
 
 def test_same_inputs_same_outputs(run):
@@ -320,21 +354,52 @@ def test_compare_ratios(run):
     assert "| prefill | torch |" in bench_report.compare_markdown(rows)
 
 
+def _goal_doc(decode_x=(1.25, 1.4), prefill_gflops=96.0, int8=2.5, int4=1 / 2.5, gen_int4=2.6):
+    """A hand-made result: ort-cpu decode rows at 1x127 and 8x512 (plus one off the grid), prefill 1x128 of
+    torch and ort-cpu, and the ratios of ours over torch and of the quantized backends over ours."""
+    dec = lambda b, p, x, be="ort-cpu": {"scenario": "decode", "backend": be, "batch": b, "past": p, "seq": 1,
+                                         "new_tokens": 1, "median_ms": 40.0 * x, "floor_ms": 40.0, "x_floor": x,
+                                         "bound": "memory", "gbps": 8.0}  # fmt: skip
+    rows = [dec(1, 127, decode_x[0]), dec(8, 512, decode_x[1]), dec(2, 5, 9.0),  # 2x5: not a grid case
+            dec(1, 127, 0.5, "ort-cpu-int8"), dec(1, 127, 0.5, "ort-cpu-int4"),
+            {"scenario": "prefill", "backend": "torch", "batch": 1, "seq": 128, "past": 0, "median_ms": 300.0,
+             "gflops": 80.0},
+            {"scenario": "prefill", "backend": "ort-cpu", "batch": 1, "seq": 128, "past": 0, "median_ms": 250.0,
+             "gflops": prefill_gflops}]  # fmt: skip
+    for r in rows[3:5]:
+        r.update(floor_ms=None, x_floor=None, bound=None, gbps=None)  # quantized rows: no fp32 floor
+    gen = {"scenario": "generate", "batch": 1, "seq": 32, "past": 0, "new_tokens": 128}
+    rows += [dict(gen, backend=b, median_ms=m) for b, m in (("ort-cpu", 2000.0), ("ort-cpu-int4", 800.0))]
+    d127 = {"scenario": "decode", "batch": 1, "seq": 1, "past": 127, "new_tokens": 1}
+    ratios = [{"scenario": "prefill", "batch": 1, "seq": 128, "past": 0, "new_tokens": 0, "baseline": "torch",
+               "backend": "ort-cpu", "speedup": 1.2},
+              dict(d127, baseline="ort-cpu", backend="ort-cpu-int8", speedup=int8),
+              dict(d127, baseline="ort-cpu-int4", backend="ort-cpu", speedup=int4),  # int4 ran first: flipped
+              dict(gen, baseline="ort-cpu", backend="ort-cpu-int4", speedup=gen_int4)]  # fmt: skip
+    return {"rows": rows, "ratios": ratios, "machine": {"bandwidth_GBps": 10.0, "matmul_GFLOPs": 100.0}}
+
+
 def test_goals_on_synthetic_rows():
-    machine = {"bandwidth_GBps": 10.0, "matmul_GFLOPs": 100.0}
-    rows = [
-        {"scenario": "decode", "backend": "ort-cpu", "batch": 1, "past": 127, "seq": 1, "median_ms": 50.0,
-         "floor_ms": 40.0, "x_floor": 1.25, "bound": "memory", "gbps": 8.0},
-        {"scenario": "prefill", "backend": "torch", "batch": 1, "seq": 128, "past": 0, "median_ms": 300.0, "gflops": 80.0},
-        {"scenario": "prefill", "backend": "ort-cpu", "batch": 1, "seq": 128, "past": 0, "median_ms": 250.0, "gflops": 96.0},
-    ]  # fmt: skip
-    ratios = [{"scenario": "prefill", "batch": 1, "seq": 128, "baseline": "torch", "backend": "ort-cpu", "speedup": 1.2}]
-    g = bench.goals({"rows": rows, "ratios": ratios, "machine": machine})
-    assert [x["met"] for x in g] == [True, False, None, None, None, None]  # no peer rows: not measured
-    assert g[0]["value"] == 1.25 and g[1]["value"] == 1.2 and "96%" in g[1]["detail"]
-    flipped = [dict(ratios[0], baseline="ort-cpu", backend="torch", speedup=1 / 1.5)]  # run with --backends ort-cpu torch
-    g = bench.goals({"rows": rows, "ratios": flipped, "machine": machine})
-    assert g[1]["value"] == pytest.approx(1.5) and g[1]["met"] is True
+    g = bench.goals(_goal_doc())
+    names = ["decode step at every decode case", "prefill 128 tokens (batch 1)", "vs PyTorch eager",
+             "int8 (ort-cpu-int8)", "int4 (ort-cpu-int4)", "generate, batch 1", "batch 8, past 1023",
+             "batch 1, past 1023", "than Optimum", "than onnxruntime-genai"]  # fmt: skip
+    assert len(g) == len(names) and all(n in x["name"] for n, x in zip(names, g))
+    assert [x["met"] for x in g] == [False, True, False, True, False, True, None, None, None, None]  # no peers
+    floor, prefill, torch_, int8, int4, gen = g[:6]
+    assert floor["value"] == 1.4 and "B=8 P=512" in floor["detail"] and "2 of the grid's 10 cases" in floor["detail"]
+    assert prefill["value"] == pytest.approx(100 / 96) and torch_["value"] == 1.2
+    assert int8["value"] == 2.5 and int4["value"] == pytest.approx(2.5) and gen["value"] == 2.6  # int4 < 3: not met
+    assert "fp32 2000.00 ms, int4 800.00 ms" in gen["detail"]
+    g = bench.goals(_goal_doc(decode_x=(1.25, 1.3), prefill_gflops=80.0, int8=1.9, int4=1 / 3.2, gen_int4=2.4))
+    assert [x["met"] for x in g[:6]] == [True, False, False, False, True, False]
+    assert g[0]["value"] == 1.3 and "B=8 P=512" in g[0]["detail"] and g[1]["value"] == pytest.approx(1.25)
+    doc = _goal_doc()
+    doc["ratios"] = [dict(doc["ratios"][0], baseline="ort-cpu", backend="torch", speedup=1 / 1.5)]  # --backends ort-cpu,torch
+    doc["rows"] = [r for r in doc["rows"] if r["backend"] in ("torch", "ort-cpu") and r["scenario"] == "prefill"]
+    g = bench.goals(doc)
+    assert g[2]["value"] == pytest.approx(1.5) and g[2]["met"] is True
+    assert [x["detail"] for x in (g[0], g[3], g[4], g[5])] == ["not run"] * 4 and g[0]["met"] is None
 
 
 def test_unknown_names_are_user_errors():
@@ -384,7 +449,10 @@ def test_floor_read_in_the_same_rounds_gives_the_paired_goal():
     }
     paired = [g for g in bench.goals(doc) if "same rounds" in g["name"]]
     assert len(paired) == 1
-    assert paired[0]["value"] == pytest.approx(1.6) and paired[0]["met"] is False
+    assert paired[0]["value"] == pytest.approx(1.6) and paired[0]["met"] is False and "B=1 P=127" in paired[0]["detail"]
+    doc["ratios"][0]["speedup"] = 1 / 1.2  # ours 1.2x the floor read in the same rounds: within 1.3x
+    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"]]
+    assert paired[0]["value"] == pytest.approx(1.2) and paired[0]["met"] is True
 
 
 def test_mem_read_reads_the_decode_step_bytes():
