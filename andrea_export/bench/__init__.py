@@ -4,7 +4,8 @@ each figure set beside the machine's own limits measured in the same run.
 Method (benchmarks/README.md says it in prose):
 
 * Every backend gets the same model weights and the same input arrays.
-* Warm-up rounds, then timed rounds; backends are **interleaved** (A B A B ...), so slow drift of the
+* Warm-up rounds, then timed rounds; backends are **interleaved**, the first one rotating per round
+  (A B C, B C A, ...), so slow drift of the
   machine (other load, clocks, thermal) hits all of them alike, and speedups are the **median of
   per-iteration ratios** t_baseline[i] / t_backend[i], in which such drift cancels.
 * Times come from `time.perf_counter_ns` around a synchronous call (CUDA events for TensorRT on a GPU).
