@@ -419,11 +419,13 @@ def train_demo(out, seed, steps, threads):
 @config_option
 @seed_option
 @click.option("--quick", is_flag=True, help="Small grids and few repeats: 1-2 minutes for ANDREA-120M on 2 cores.")
-@click.option("--backends", default="torch,ort-cpu,ort-cpu-concat,ort-cpu-int8,ort-cpu-int4,ort-cuda,trt-native,trt-plugin,optimum,genai",
+@click.option("--backends", default="torch,ort-cpu,ort-cpu-concat,ort-cpu-int8,ort-cpu-int4,ort-cuda,trt-native,trt-plugin,"
+                                    "optimum,genai",
               show_default=True,
               help="Comma-separated. Backends this host cannot run are reported as skipped, with the reason. "
                    "optimum and genai are the peers (what users run instead), reported as time / ort-cpu's; "
-                   "ort-cpu-concat is ours on the standard decoder (ort-cpu: the in-place one), for the gain.")
+                   "ort-cpu-concat is ours on the standard decoder (ort-cpu: the in-place one), for the gain; "
+                   "ort-cpu-int8 / -int4 are ours on weight-only quantized graphs of the same weights.")
 @click.option("--scenarios", default="prefill,decode,generate", show_default=True, help="Comma-separated.")
 @click.option("--threads", type=int, default=None, help="Threads for every backend and the limit measurements "
               "(default: the CPUs this process may use).")

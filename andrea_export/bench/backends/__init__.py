@@ -14,8 +14,8 @@ from .ort import OrtBackend, session_options
 from .pytorch import TorchBackend, torch_greedy
 from .tensorrt import TrtBackend
 
-BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ort-cuda", "trt-native", "trt-plugin", "optimum",
-            "genai", "optimum-hf-folder")
+BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ort-cuda", "trt-native",
+            "trt-plugin", "optimum", "genai", "optimum-hf-folder")
 DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
 
 
