@@ -184,24 +184,24 @@ def test_run_rows_and_skips(run):
     assert doc["backends"]["trt-native"]["status"] == "skipped" and doc["backends"]["trt-native"]["reason"]
     keys = {(r["scenario"], r["backend"], r["batch"], r["seq"], r["past"]) for r in doc["rows"]}
     for backend in ("torch", "ort-cpu", "ort-cpu-concat"):
-        assert ("prefill", backend, 2, 32, 0) in keys or backend == "ort-cpu-concat"
+        assert ("prefill", backend, 2, 32, 0) in keys
         assert ("decode", backend, 2, 1, 15) in keys
         assert ("generate", backend, 1, 8, 0) in keys
-    assert "ort-cpu's does" in doc["backends"]["ort-cpu-concat"]["skipped_cases"]["prefill"]  # the same model.onnx
-    assert len(doc["rows"]) == 2 * 5 + 3
+    assert doc["backends"]["ort-cpu"]["prefill_graph"].startswith("the in-place decoder")  # as runtime runs a prompt
+    assert doc["backends"]["ort-cpu-concat"]["prefill_graph"] == "model.onnx (no cache)"
+    assert len(doc["rows"]) == 3 * 5  # 5 cases (2 prefill, 2 decode, 1 generate) x 3 backends
     for r in doc["rows"]:
         assert r["n"] == 3
         assert 0 < r["min_ms"] <= r["median_ms"] <= r["p90_ms"] <= r["p99_ms"] <= r["max_ms"]
         assert r["floor_ms"] > 0 and r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"])
         assert r["bound"] in ("memory", "compute") and r["tokens_per_s"] > 0
     pairs = [(q["baseline"], q["backend"]) for q in doc["ratios"]]  # every pair of a case, the earlier as baseline
-    assert pairs == [("torch", "ort-cpu")] * 2 + [("torch", "ort-cpu"), ("torch", "ort-cpu-concat"),
-                                                  ("ort-cpu", "ort-cpu-concat")] * 3  # fmt: skip
+    assert pairs == [("torch", "ort-cpu"), ("torch", "ort-cpu-concat"), ("ort-cpu", "ort-cpu-concat")] * 5
     assert all(q["speedup"] > 0 for q in doc["ratios"])
     concat = {(r["scenario"], r["batch"]): r for r in doc["rows"] if r["backend"] == "ort-cpu-concat"}
     ours = {(r["scenario"], r["batch"]): r for r in doc["rows"] if r["backend"] == "ort-cpu"}
-    assert [(g["scenario"], g["batch"]) for g in doc["inplace"]] == list(concat) == [("decode", 1), ("decode", 2),
-                                                                                     ("generate", 1)]  # fmt: skip
+    assert [(g["scenario"], g["batch"]) for g in doc["inplace"]] == list(concat) == [
+        ("prefill", 1), ("prefill", 2), ("decode", 1), ("decode", 2), ("generate", 1)]  # prefill: model.onnx vs in-place
     for g in doc["inplace"]:  # the in-place gain: concat time / in-place time, paired by round
         key = (g["scenario"], g["batch"])
         assert g["time_ratio"] == concat[key]["x_ours"] > 0
@@ -245,7 +245,7 @@ def test_quantized_backends_run_and_report_precision(run):
                 assert r["x_floor"] is r["floor_ms"] is r["bound"] is r["gbps"] is r["bytes"] is None
     (folder,) = [d for d in cache.iterdir() if (d / "decoder.inplace.onnx").is_file()]
     for precision, bits in (("int8", 8), ("int4", 4)):
-        for stem in ("model", "decoder.inplace"):
+        for stem in ("decoder.inplace",):  # prefill too runs the in-place decoder
             nodes = matmulnbits(onnx.load(str(folder / f"{stem}.{precision}.onnx"), load_external_data=False))
             assert nodes and all(n["bits"] == bits for n in nodes), (stem, precision, nodes[:1])
     assert "precision" in bench_report.to_csv(doc).splitlines()[0]
@@ -350,7 +350,7 @@ def test_compare_ratios(run):
         r["median_ms"] = r["median_ms"] * (0.5 if r["backend"] == "ort-cpu" else 2.0)
     b["rows"] = [r for r in b["rows"] if r["scenario"] != "generate"]  # rows only in A are left out
     rows = bench_report.compare(doc, b)
-    assert len(rows) == 10
+    assert len(rows) == 12  # 15 rows less the 3 generate ones
     for r in rows:
         assert r["ratio"] == pytest.approx(0.5 if r["backend"] == "ort-cpu" else 2.0)
     assert "| prefill | torch |" in bench_report.compare_markdown(rows)

@@ -46,8 +46,10 @@ class OrtBackend(Backend):
 
     `cache`: the KV-cache decoder that decode and generate run, as a user gets it (`runtime.load`):
     "inplace" (inplace_decoder.py) on the CPU provider, "concat" (kvcache.py) on the CUDA provider, whose
-    GroupQueryAttention has no float32 kernels. `ort-cpu-concat` is the CPU provider on the standard graph,
-    so that a run shows what the in-place cache gains. Prefill runs the plain `model.onnx` either way.
+    GroupQueryAttention has no float32 kernels. `ort-cpu-concat` is the CPU provider on the standard graphs,
+    so that a run shows what the in-place decoder gains. Prefill: the in-place backends run the prompt
+    through the in-place decoder, writing its cache (what `runtime` does with a prompt, and what the
+    peers' prefill does); the others run the plain `model.onnx`.
 
     `spin`: whether ORT's pool threads spin-wait between ops (ORT's default is to spin). Off by default
     here, because spinning threads left over from one backend's call steal the cores of the next one in
@@ -95,15 +97,12 @@ class OrtBackend(Backend):
         self.options = session_options(ctx.threads, self.spin)
         return {"threads": ctx.threads, "inter_op_threads": 1, "provider": self.provider, "spin_wait": self.spin,
                 "graph_optimization": "ORT_ENABLE_ALL", "io_binding": True, "decoder_graph": CACHES[self.cache],
+                "prefill_graph": "the in-place decoder (the prompt's cache written, as runtime does)" if self.inplace
+                else "model.onnx (no cache)",
                 "precision": PRECISIONS[self.precision]}  # fmt: skip
 
-    @property
-    def _same_prefill(self) -> bool:
-        """ort-cpu-concat: its prefill would be ort-cpu's (the same model.onnx), so it is not timed twice."""
-        return self.name == "ort-cpu-concat"
-
     def prepare(self, scenarios):
-        if "prefill" in scenarios and not self._same_prefill:
+        if "prefill" in scenarios:
             self.session("prefill")
         if "decode" in scenarios or "generate" in scenarios:
             try:
@@ -117,7 +116,7 @@ class OrtBackend(Backend):
         if role == "decode" and getattr(self, "_missing", None):
             raise Unavailable(self._missing)
         if role not in self._sessions:
-            path = self._graph(self.ctx.prefill_onnx) if role == "prefill" else self._decoder_onnx()
+            path = self._decoder_onnx() if role == "decode" or self.inplace else self._graph(self.ctx.prefill_onnx)
             self._sessions[role] = ort.InferenceSession(str(path), self.options, providers=[self.provider])
         return self._sessions[role]
 
@@ -151,9 +150,11 @@ class OrtBackend(Backend):
         return run
 
     def prefill(self, ids):
-        if self._same_prefill:
-            raise Unavailable("prefill runs the plain model.onnx, as ort-cpu's does: timed there only")
         sess = self.session("prefill")
+        if self.inplace:
+            from ...graphs import kv_layout
+
+            return self._inplace_step(sess, ids, None, kv_layout(self.ctx.cfg))
         return self._bound(sess, {sess.get_inputs()[0].name: ids})
 
     def decode(self, ids, mask, past):
@@ -162,28 +163,32 @@ class OrtBackend(Backend):
         sess = self.session("decode")
         layout = kv_layout(self.ctx.cfg)
         if self.inplace:
-            return self._decode_inplace(sess, ids, mask, past, layout)
+            B, P = ids.shape[0], past[0].shape[2]
+            if ids.shape[1] != 1 or mask.shape != (B, P + 1) or not (mask == 1).all():
+                raise ValueError(f"decode: one new token per row after a full past of {P} (mask of ones [{B}, {P + 1}])")
+            return self._inplace_step(sess, ids, past, layout)
         feeds = {INPUT_IDS: ids, ATTENTION_MASK: mask, **dict(zip(layout.past_names, past))}
         return self._bound(sess, feeds)
 
-    def _decode_inplace(self, sess, ids, mask, past, layout):
-        """One step on the in-place graph (CPU) after a past of P tokens: the past copied once (here, not in
-        the timed call) into buffers of capacity P + 1, each bound as both its past input and its present
-        output; the mask (ones [B, P + 1]) says each row holds P + 1 tokens, so every call writes position
-        P again and does the same work."""
+    def _inplace_step(self, sess, ids, past, layout):
+        """One step on the in-place graph (CPU): `ids` [B, T] after a past of P tokens (`past`: the
+        harness's arrays, or None for a prompt: P = 0), copied once (here, not in the timed call) into
+        buffers of capacity P + T, each bound as both its past input and its present output; the mask (ones
+        [B, P + T]) says each row holds P + T tokens, so every call writes positions P .. P + T - 1 again
+        and does the same work."""
         import onnxruntime as ort
 
         from ...names import ATTENTION_MASK, INPUT_IDS, LOGITS
 
-        B, P = ids.shape[0], past[0].shape[2]
-        if ids.shape[1] != 1 or mask.shape != (B, P + 1) or not (mask == 1).all():
-            raise ValueError(f"decode: one new token per row after a full past of {P} (mask of ones [{B}, {P + 1}])")
+        (B, T), P = ids.shape, 0 if past is None else past[0].shape[2]
         buffers = []
-        for p in past:
-            buf = np.zeros((B, layout.n_head, P + 1, layout.head_dim), p.dtype)  # row P: the step writes it
-            buf[:, :, :P] = p
+        for p in past if past is not None else [None] * len(layout.past_names):
+            buf = np.zeros((B, layout.n_head, P + T, layout.head_dim), np.float32)  # rows P..: the step writes them
+            if p is not None:
+                buf[:, :, :P] = p
             buffers.append(ort.OrtValue.ortvalue_from_numpy(buf))  # CPU: buf's own memory, no copy
-        ids, mask = np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(mask, dtype=np.int64)
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        mask = np.ones((B, P + T), dtype=np.int64)
         binding = sess.io_binding()
         binding.bind_cpu_input(INPUT_IDS, ids)
         binding.bind_cpu_input(ATTENTION_MASK, mask)
