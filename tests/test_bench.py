@@ -76,7 +76,7 @@ def test_run_interleaved_alternates_and_pairs_samples():
 def test_run_interleaved_rotates_and_keeps_rounds_paired():
     """Three fake backends whose time is set per round: each backend's r-th sample must be round r's,
     whichever position it ran at, and the start rotates."""
-    calls, rnd = [], {"r": 0}
+    calls = []
     fns = {k: (lambda k=k: calls.append(k)) for k in ("x", "y", "z")}
     factor = {"x": 3, "y": 2, "z": 1}
 
