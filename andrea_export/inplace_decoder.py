@@ -32,7 +32,9 @@ ONNX Runtime fuses bias + GELU into FastGelu at session load anyway. (Its offlin
 different function, so it is not used on our graphs.)
 
 The graph is written here node by node from the model's weights (torch's exporter cannot emit a
-contrib op with several outputs); `verify.py` checks it against PyTorch like every other graph.
+contrib op with several outputs); a build verifies it against PyTorch like the standard decoder
+(`runtime/agreement.verify_decoder` step by step through the runtime's buffers, and greedy agreement).
+Its weights stay inline here, so one graph must hold under protobuf's 2 GB (ANDREA-120M: 369 MB).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ and `present.*` of every step: the graph writes each new token's keys and values
 belong and nothing is copied. That graph pads rows on the right; `_InplaceSteps` converts the base's
 left-padded rows.
 
-Threads: one OrtSession serves many threads in parallel. Every call keeps its own cache (`_OrtSteps`) and
-binds a fresh IOBinding per step; ONNX Runtime guarantees that `InferenceSession::Run` may be called from
+Threads: one OrtSession serves many threads in parallel. Every call keeps its own cache (`_OrtSteps`,
+`_InplaceSteps`) and its own IOBinding (a fresh one per step; the in-place steps one per call); ONNX Runtime guarantees that `InferenceSession::Run` may be called from
 several threads at once on one session (the Python `run_with_iobinding` releases the GIL while it runs),
 as long as no two runs share a binding or its buffers. (ONNX Runtime's own CUDA graphs would break this;
 they are not enabled here.)
