@@ -439,10 +439,11 @@ def train_demo(out, seed, steps, threads):
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("bench-out"), show_default=True,
               help="Folder for bench.json, bench.csv, bench.md and the PNG plots. Exported ONNX files are cached in "
                    "$ANDREA_EXPORT_CACHE/bench or ~/.cache/andrea-export/bench.")
-@click.option("--spin/--no-spin", default=False, show_default=True,
-              help="Let ONNX Runtime's threads spin-wait between ops in every ORT backend (ORT's own default, and "
-                   "what onnxruntime-genai always does). Off by default: spinning threads left over from one "
-                   "backend's call steal the cores of the next in interleaved rounds.")
+@click.option("--spin/--no-spin", default=True, show_default=True,
+              help="Let ONNX Runtime's threads spin-wait between ops in every ORT backend: ORT's own default, what "
+                   "`runtime.load` gives you and what onnxruntime-genai always does. Spinning threads go on "
+                   "spinning about 40 ms after a call, so such a run waits 50 ms (busily) before each call. "
+                   "--no-spin: every ORT backend but genai sleeps between ops (for a machine shared with other work).")
 @click.option("--compare", nargs=2, type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               metavar="A.json B.json", help="Only compare two earlier results: B/A ratios of the matching rows.")
 @_user_errors

@@ -97,6 +97,23 @@ def test_run_interleaved_rotates_and_keeps_rounds_paired():
     assert bench.ratio_median(samples["y"], samples["z"]) == 2.0
 
 
+def test_the_gap_before_each_call_is_a_busy_wait(monkeypatch):
+    """The untimed gap before each call keeps the core busy: after a 100 ms sleep a decode step took 1.3x as
+    long as after 5 ms (the idle vCPU slows down), and a busy gap of the same length did not (measured)."""
+    import andrea_export.bench.harness as harness
+
+    def no_sleep(s):
+        raise AssertionError(f"time.sleep({s}) in the harness: the gap must keep the core busy")
+
+    monkeypatch.setattr(harness.time, "sleep", no_sleep)
+    starts = []
+    fns = {k: (lambda: starts.append(harness.time.perf_counter())) for k in ("a", "b")}
+    settings = bench.Settings(warmup=1, warmup_s=0.0, min_repeats=3, max_repeats=3, budget_s=0.0, gap_s=0.02)
+    bench.run_interleaved(fns, settings)
+    assert len(starts) >= 8
+    assert min(b - a for a, b in zip(starts, starts[1:])) >= 0.02  # every call waited the whole gap
+
+
 def test_ratio_median_cancels_drift():
     # the machine slows down 3x during the run; the per-iteration ratio stays 2
     base = [2, 4, 6, 6, 6]
@@ -404,6 +421,16 @@ def test_goals_on_synthetic_rows():
     assert [x["detail"] for x in (g[0], g[3], g[4], g[5])] == ["not run"] * 4 and g[0]["met"] is None
 
 
+def test_the_floor_goal_says_what_the_worst_case_costs_if_memory_and_compute_do_not_overlap():
+    """The floor is max(memory time, compute time); ONNX Runtime runs the step's ops one after another, so
+    the goal's detail also gives the sum (the time if they do not overlap) and the step against it."""
+    doc = _goal_doc()
+    worst = next(r for r in doc["rows"] if r["backend"] == "ort-cpu" and r.get("past") == 512)
+    worst.update(flops=1e9, bytes=4e8)  # 10 ms at 100 GFLOP/s, 40 ms at 10 GB/s; median 56 ms
+    detail = bench.goals(doc)[0]["detail"]
+    assert "memory 40.0 ms + compute 10.0 ms = 50.0 ms" in detail and "1.12x that" in detail
+
+
 def test_unknown_names_are_user_errors():
     from andrea_export.errors import AndreaExportError
 
@@ -474,9 +501,12 @@ def test_mem_read_reads_the_decode_step_bytes():
     assert float(run()) == expected  # a sum of ones over exactly the step's bytes
 
 
-@pytest.mark.parametrize("flag, spinning", [("--spin", True), ("--no-spin", False)])
+@pytest.mark.parametrize("flag, spinning", [("--spin", True), ("--no-spin", False), (None, True)])
 def test_cli_spin_reaches_every_ort_backend(tmp_path, flag, spinning):
-    """`bench --spin` lets ORT spin-wait (as onnxruntime-genai always does), so that peers compare like with like."""
+    """`bench` lets ORT spin-wait by default (ORT's own default, what `runtime.load` gives a user, and what
+    onnxruntime-genai always does), so that peers compare like with like; a run with a spinning backend
+    waits out the spin (about 40 ms measured) before each call, so that it does not steal the next call's
+    cores; `--no-spin` keeps the short gap."""
     from click.testing import CliRunner
 
     from andrea_export.cli import main
@@ -484,7 +514,8 @@ def test_cli_spin_reaches_every_ort_backend(tmp_path, flag, spinning):
     out = tmp_path / "b"
     result = CliRunner().invoke(main, ["bench", "--config", "andrea-tiny", "--quick", "--backends", "ort-cpu",
                                        "--scenarios", "prefill", "--prefill-grid", "1x8", "--threads", "1", "--out",
-                                       str(out), flag])
+                                       str(out)] + ([flag] if flag else []))
     assert result.exit_code == 0, result.output
     doc = json.loads((out / "bench.json").read_text())
     assert doc["backends"]["ort-cpu"]["spin_wait"] is spinning
+    assert doc["settings"]["gap_s"] == (bench.Settings().spin_gap_s if spinning else bench.Settings().gap_s)

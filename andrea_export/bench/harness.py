@@ -23,6 +23,9 @@ class Settings:
     # untimed pause before each call, so thread pools of the previous backend stop spin-waiting (PyTorch's
     # OpenMP threads spin after a parallel region and slowed the next ORT call 2x in a measured case)
     gap_s: float = 0.005
+    # the pause when a backend of the run spin-waits (ONNX Runtime's pool threads keep spinning about 40 ms
+    # after a call; with 5 ms the next backend's decode step took 1.2-1.3x as long, with 50 ms no longer)
+    spin_gap_s: float = 0.05
     interleave: bool = True  # False: each backend's rounds in one block (A A A B B B), to see interference
 
     @classmethod
@@ -145,5 +148,9 @@ def run_interleaved(
 
 
 def _settle(gap_s: float, n_backends: int) -> None:
+    """Wait `gap_s` busily: a sleeping core slows down (on these VMs a decode step after a 100 ms sleep took
+    1.3x as long as after 5 ms; after a 100 ms busy wait it did not), and a user's loop never idles either."""
     if gap_s > 0 and n_backends > 1:
-        time.sleep(gap_s)
+        end = time.perf_counter() + gap_s
+        while time.perf_counter() < end:
+            pass

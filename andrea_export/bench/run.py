@@ -51,7 +51,7 @@ def run_benchmark(
     out: str | Path | None = None,
     workdir: str | Path | None = None,
     trt_engines: dict[str, dict] | None = None,
-    ort_spin: bool = False,
+    ort_spin: bool = True,
     seed: int = 0,
     plots: bool = True,
     quiet: bool = False,
@@ -70,7 +70,9 @@ def run_benchmark(
         workdir: where exported ONNX files are cached (default: default_cache_dir() when `out` is given,
             else a temporary folder removed at the end).
         trt_engines: {"trt-native": {"prefill": plan, "decode": plan}, "trt-plugin": {...}} on a GPU host.
-        ort_spin: let ORT's threads spin-wait (ORT's own default; off here for fair interleaving).
+        ort_spin: let ORT's threads spin-wait (ORT's own default, what runtime.load gives a user and what
+            onnxruntime-genai always does). A run with any spinning backend waits settings.spin_gap_s
+            before each call instead of gap_s, so that the spin of one call does not slow the next.
     """
     import tempfile
 
@@ -131,6 +133,8 @@ def run_benchmark(
         except (AndreaExportError, ImportError, RuntimeError) as e:
             info[b.name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             say(" ", styled("failed", "red"), f"{b.name}: {e}")
+    if any(b.spins for b in active):  # their threads spin on after a call: wait that out before the next one
+        settings = dataclasses.replace(settings, gap_s=max(settings.gap_s, settings.spin_gap_s))
     if any(b.device == "cuda" for b in active) and torch.cuda.is_available():
         machine["cuda"] = measure_machine(threads, quick=quick, device="cuda")
 

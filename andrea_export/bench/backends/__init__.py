@@ -19,7 +19,7 @@ BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "o
 DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
 
 
-def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = False) -> list[Backend]:
+def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = True) -> list[Backend]:
     out = []
     for n in names:
         if n == "mem-read":

@@ -105,6 +105,7 @@ class Backend:
     name = "?"
     device = "cpu"
     timer: Timer = staticmethod(cpu_timer)
+    spins = False  # its threads spin-wait after a call (the harness then waits longer before the next call)
 
     def check(self) -> str | None:
         """None when the backend can run here, else the reason it cannot."""

@@ -25,6 +25,7 @@ from .ort import CACHES
 
 class GenaiBackend(Backend):
     name = "genai"
+    spins = True  # ORT's default, which genai_config.json cannot change (its threads used 1.99 cores of 2)
 
     def check(self):
         if importlib.util.find_spec("onnxruntime_genai") is None:

@@ -49,7 +49,7 @@ class OptimumBackend(OrtBackend):
     `graph="ours"` (backend `optimum-hf-folder`): the same loader on our decoder as `export --hf-folder`
     writes it, so that only Optimum's loop differs from ours (its generate against ours)."""
 
-    def __init__(self, spin: bool = False, graph: str = "optimum"):
+    def __init__(self, spin: bool = True, graph: str = "optimum"):
         super().__init__("CPUExecutionProvider", spin=spin, cache="concat")
         if graph not in ("optimum", "ours"):
             raise ValueError(f"graph must be 'optimum' or 'ours', not {graph!r}")

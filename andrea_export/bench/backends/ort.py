@@ -51,17 +51,17 @@ class OrtBackend(Backend):
     through the in-place decoder, writing its cache (what `runtime` does with a prompt, and what the
     peers' prefill does); the others run the plain `model.onnx`.
 
-    `spin`: whether ORT's pool threads spin-wait between ops (ORT's default is to spin). Off by default
-    here, because spinning threads left over from one backend's call steal the cores of the next one in
-    an interleaved run; the setting is recorded."""
+    `spin`: whether ORT's pool threads spin-wait between ops (ORT's default, what `runtime.load` gives a
+    user and what onnxruntime-genai always does). They keep spinning for a while after a call, so a run
+    with a spinning backend waits longer before each call (Settings.spin_gap_s); the setting is recorded."""
 
-    def __init__(self, provider: str = "CPUExecutionProvider", spin: bool = False, cache: str | None = None,
+    def __init__(self, provider: str = "CPUExecutionProvider", spin: bool = True, cache: str | None = None,
                  precision: str = "fp32"):  # fmt: skip
         self.provider = provider
         if precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, not {precision!r}")
         self.precision = precision
-        self.spin = spin
+        self.spin = self.spins = spin
         self.cuda = provider == "CUDAExecutionProvider"
         self.cache = cache or ("concat" if self.cuda else "inplace")
         if self.cache not in CACHES:
