@@ -23,6 +23,7 @@ from .machine import _load_warnings, _loadavg, combine_limits, environment, meas
 from .report import KIND, OURS, SCHEMA_VERSION, inplace_gain, peers, write_outputs
 from .work import (
     DECODE_GRID,
+    DISTURBED_BELOW,
     GENERATE_GRID,
     PREFILL_GRID,
     QUICK_DECODE_GRID,
@@ -220,9 +221,9 @@ def run_benchmark(
     }
     notes += _load_warnings(doc["loadavg_end"], threads, at_start=False)
     below = [f"{r['scenario']} {r['backend']} B={r['batch']} T={r['seq']} P={r['past']} ({r['x_floor']:.2f})"
-             for r in rows if r["x_floor"] is not None and r["x_floor"] < 0.95]  # fmt: skip
+             for r in rows if r["x_floor"] is not None and r["x_floor"] < DISTURBED_BELOW]  # fmt: skip
     if below:
-        notes.append("faster than the floor (x floor < 0.95): " + ", ".join(below) + ". The limit measurements "
+        notes.append(f"faster than the floor (x floor < {DISTURBED_BELOW}): " + ", ".join(below) + ". The limit measurements "
                      "were disturbed, or a large square matmul understates this machine's rate for these shapes")  # fmt: skip
     doc["warnings"] = notes
     doc["peers"] = peers(doc)

@@ -57,6 +57,11 @@ def forward_bytes(cfg: ModelConfig, batch: int, new: int, past: int = 0, write_k
     return weights + kv_read + kv_write + logits
 
 
+# A time below this multiple of its floor beat the machine's measured limits: the limits or the sample were
+# disturbed (the run warns; such a floor read is not held against anything)
+DISTURBED_BELOW = 0.95
+
+
 def floor_seconds(flops: float, nbytes: float, machine: dict) -> tuple[float, str]:
     """Roofline floor: (max(flops / matmul rate, bytes / bandwidth), which one binds)."""
     t_c = flops / (machine["matmul_GFLOPs"] * 1e9)
