@@ -27,7 +27,10 @@ and Triton take the standard decoder.
 Other fusions ONNX Runtime offers for GPT-2 were measured and left out: writing the residual adds and
 LayerNorms as `SkipLayerNormalization` and bias + tanh-GELU as `FastGelu` changed ANDREA-120M's step by
 -2 % to +3 % (prefill 1x128 and 4x128, decode 1x127 and 8x1023, 2 threads), within this machine's noise;
-ONNX Runtime fuses bias + GELU into FastGelu at session load anyway. (Its offline optimizer,
+ONNX Runtime fuses bias + GELU into FastGelu at session load anyway. Adding packed QKV into
+GroupQueryAttention (no Split) and the QKV projection as Gemm cut the small ops' kernel time from 1.6 to
+1.1 ms of an 18 ms step (batch 8, past 128, ORT's profiler), but the step's wall time stayed within the
+noise (+-10 % between processes): the step is the matmuls' (benchmarks/README.md). (Its offline optimizer,
 `onnxruntime.transformers.optimizer` for "gpt2", turns our tanh GELU into `BiasGelu`, the erf form: a
 different function, so it is not used on our graphs.)
 

@@ -53,8 +53,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-repeats", type=int, default=None)
     p.add_argument("--blocked", action="store_true", help="run each backend's rounds as one block instead of "
                    "interleaving them (to see whether the backends disturb each other)")
-    p.add_argument("--gap", type=float, default=None, help="untimed pause before each call, seconds (default 0.005)")
-    p.add_argument("--ort-spin", action="store_true", help="let ORT threads spin-wait (ORT's default; off for fair interleaving)")
+    p.add_argument("--gap", type=float, default=None, help="untimed busy pause before each call, seconds (default 0.005; "
+                   "at least 0.05 when a backend spin-waits)")
+    p.add_argument("--no-spin", action="store_true", help="ORT backends sleep between ops instead of spin-waiting "
+                   "(ORT's default, and genai's always; on by default so the peers compare like with like)")
     for v in ("native", "plugin"):
         p.add_argument(f"--trt-{v}-engine", type=Path, default=None, help=f"TensorRT {v}-GELU engine (prefill profile)")
         p.add_argument(f"--trt-{v}-decoder-engine", type=Path, default=None, help=f"TensorRT {v}-GELU KV-cache engine")
@@ -86,7 +88,7 @@ def main(argv=None) -> int:
     doc = bench.run_benchmark(
         a.config, a.checkpoint, backends=a.backends, scenarios=a.scenarios, quick=a.quick, threads=a.threads,
         settings=settings, prefill_grid=_grid(a.prefill_grid, 2), decode_grid=_grid(a.decode_grid, 2),
-        generate_grid=_grid(a.generate_grid, 3), out=a.out, trt_engines=engines, ort_spin=a.ort_spin, seed=a.seed,
+        generate_grid=_grid(a.generate_grid, 3), out=a.out, trt_engines=engines, ort_spin=not a.no_spin, seed=a.seed,
         plots=not a.no_plots, workdir=a.cache_dir,
     )  # fmt: skip
     print(bench_report.to_markdown(doc))
