@@ -61,15 +61,21 @@ class OrtSession(Session):
         *,
         providers: list[str] | None = None,
         intra_op_threads: int | None = None,
+        session=None,
     ):
+        """`session`: an InferenceSession of `onnx_path` made by the caller (its own session options, e.g. the
+        benchmark's), used as it is; None: load the graph here."""
         import onnxruntime as ort
 
         super().__init__(cfg, layout, str(onnx_path))
-        opts = ort.SessionOptions()
-        opts.log_severity_level = 3
-        if intra_op_threads:
-            opts.intra_op_num_threads = intra_op_threads
-        self.session = ort.InferenceSession(str(onnx_path), opts, providers=_providers(providers, layout, onnx_path))
+        providers = _providers(providers, layout, onnx_path)
+        if session is None:
+            opts = ort.SessionOptions()
+            opts.log_severity_level = 3
+            if intra_op_threads:
+                opts.intra_op_num_threads = intra_op_threads
+            session = ort.InferenceSession(str(onnx_path), opts, providers=providers)
+        self.session = session
         on_gpu = self.session.get_providers()[0] == "CUDAExecutionProvider"
         self.device = ("cuda", 0) if on_gpu else ("cpu", 0)
 

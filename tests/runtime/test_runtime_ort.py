@@ -92,6 +92,22 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session, pr
     assert greedy_agreement(lively_model, session, prompt, n_tokens=8, rtol=1e-4, atol=1e-4)["passed"]
 
 
+def test_an_existing_inference_session_is_used_as_it_is(build_dir, monkeypatch):
+    """`OrtSession(..., session=s)` steps over `s` (made with the caller's options: the benchmark's threads
+    and spin-waiting) instead of loading the graph a second time, and still gives the same tokens."""
+    from andrea_export.graphs import read_decoder
+
+    path = build_dir / "decoder.onnx"
+    cfg, layout = read_decoder(path)
+    own = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    loads = []
+    monkeypatch.setattr(ort, "InferenceSession", lambda *a, **k: loads.append(a))
+    wrapped = OrtSession(path, cfg, layout, session=own)
+    assert wrapped.session is own and loads == []
+    monkeypatch.undo()
+    assert wrapped.generate([1, 2, 3], 5) == runtime.load(path).generate([1, 2, 3], 5)
+
+
 def test_cache_stays_on_the_device_between_steps(session):
     with session._steps() as steps:  # one call's own cache
         steps.prefill(np.array([[0, 1, 2, 3]]), np.array([[0, 1, 1, 1]]))  # one padded slot

@@ -10,7 +10,7 @@ import torch
 from .base import Backend, Unavailable
 
 
-def session_options(threads: int, spin: bool = False):
+def session_options(threads: int, spin: bool = True):
     """The ONNX Runtime session options of every ORT-based backend (ours and the peers'), so that they
     differ in graph and loop only: `threads` intra-op threads, one inter-op thread, sequential, all graph
     optimizations, spin-waiting as `spin`."""
@@ -220,8 +220,6 @@ class OrtBackend(Backend):
             from ...runtime.ort import OrtSession
 
             layout = inplace_layout(kv_layout(self.ctx.cfg)) if self.inplace else kv_layout(self.ctx.cfg)
-            # the runtime loads the graph with its own options; swap in ours (threads, no spinning)
-            self._rs = OrtSession(self._decoder_onnx(), self.ctx.cfg, layout, providers=[self.provider],
-                                  intra_op_threads=self.ctx.threads)  # fmt: skip
-            self._rs.session = sess
+            # our session as it is (this harness's threads and spin-waiting), not a second load of the graph
+            self._rs = OrtSession(self._decoder_onnx(), self.ctx.cfg, layout, providers=[self.provider], session=sess)
         return self._rs
