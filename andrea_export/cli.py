@@ -115,14 +115,14 @@ def export(checkpoint, config, seed, out, opset, hf_folder):
     the same weights give byte-identical files. The model config and the weights' origin are stored in
     the ONNX metadata, so `verify` needs only the file (and the checkpoint, if there was one).
     """
-    from .checkpoint import load_model
+    from .model.checkpoint import load_model
     from .config import load_config
-    from .export import export_onnx, op_counts
-    from .graphs import check_onnx
+    from .graphs.export import export_onnx, op_counts
+    from .graphs.layout import check_onnx
 
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
     if hf_folder:
-        from .hf import write_hf_folder
+        from .model.gpt2 import write_hf_folder
 
         click.echo(write_hf_folder(model, hf_folder))
         return
@@ -157,7 +157,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
     """
     if target.is_dir():
         from .pipeline import print_build_summary, verify_build
-        from .verify import VerifyReport, print_summary
+        from .verify.compare import VerifyReport, print_summary
 
         manifest = verify_build(target, checkpoint, shapes, greedy_steps)
         print_summary(VerifyReport.load(target / "verify.json"))
@@ -165,8 +165,8 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
         sys.exit(1 if manifest["status"] == "failed" else 0)
 
     from .config import load_config
-    from .verify import print_summary, reference_model_for
-    from .verify import verify as run_verify
+    from .verify.compare import print_summary, reference_model_for
+    from .verify.compare import verify as run_verify
 
     model = reference_model_for(target, checkpoint, load_config(config) if config else None)
     result = run_verify(model, {"onnxrt": target}, shapes=shapes, greedy_steps=greedy_steps)
@@ -306,7 +306,7 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
     the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
     """
-    from .triton import package as write_package
+    from .deploy.triton.stateless import package as write_package
 
     for model_dir in write_package(build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
                                    dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us,
@@ -345,7 +345,7 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
     context, empty prompts and ids outside the vocabulary are refused before anything runs.
     """
     from . import runtime
-    from .text import load_tokenizer
+    from .model.text import load_tokenizer
 
     tokenizer = tokenizer or runtime.tokenizer_path(build)
     tok = load_tokenizer(tokenizer) if tokenizer else None
@@ -405,7 +405,7 @@ def train_demo(out, seed, steps, threads):
     """
     import dataclasses
 
-    from .demo import Recipe, train_demo as run
+    from .model.demo import Recipe, train_demo as run
 
     recipe = dataclasses.replace(Recipe(), seed=seed, threads=threads, **({"steps": steps} if steps else {}))
     log = run(out, recipe)

@@ -22,7 +22,7 @@ def describe(path: str | Path) -> dict:
 
 
 def _describe_build(folder: Path) -> dict:
-    from .buildfolder import changed_artifacts, read_manifest
+    from .folder.reader import changed_artifacts, read_manifest
 
     m = read_manifest(folder)
     altered = changed_artifacts(folder, m)
@@ -37,9 +37,9 @@ def _describe_build(folder: Path) -> dict:
 def _describe_onnx(path: Path) -> dict:
     import onnx
 
-    from .export import op_counts
-    from .graphs import check_onnx
-    from .external_data import external_data_files
+    from .graphs.export import op_counts
+    from .graphs.layout import check_onnx
+    from .graphs.external_data import external_data_files
 
     model = check_onnx(path)
 
@@ -63,9 +63,9 @@ def _describe_onnx(path: Path) -> dict:
 
 
 def _describe_engine(path: Path) -> dict:
-    from .artifacts import sha256_file
-    from .build import sidecar_path
-    from .buildfolder import read_engine_info
+    from .folder.atomic import sha256_file
+    from .engine.builder import sidecar_path
+    from .folder.reader import read_engine_info
 
     info = {"kind": "engine", "path": str(path), "bytes": path.stat().st_size}
     side = sidecar_path(path)

@@ -20,9 +20,9 @@ import tomllib
 from pathlib import Path
 
 from . import __version__
-from .artifacts import locked_folder, sha256_file, update_folder, write_text_atomic
-from .buildfolder import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest
-from .buildfolder import changed_artifacts
+from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
+from .folder.reader import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest
+from .folder.reader import changed_artifacts
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
@@ -80,8 +80,8 @@ class BuildOptions:
         """Check every option's type and range (nothing is loaded or built); returns self. Raises
         ConfigError naming the option. What depends on the model (profiles and verify shapes against its
         context) is checked by run_build as soon as the model config is known, still before any work."""
-        from .build import BUILDERS, OPT_LEVELS, normalize_compute_capabilities, parse_profiles
-        from .precision import PRECISIONS
+        from .engine.builder import BUILDERS, OPT_LEVELS, normalize_compute_capabilities, parse_profiles
+        from .graphs.precision import PRECISIONS
 
         def bad(field: str, want: str):
             raise ConfigError(f"build option '{field}': expected {want}, got {getattr(self, field)!r}")
@@ -151,7 +151,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
     Raises AndreaExportError for bad input before any heavy step; a verification failure is not an
     exception: the manifest's status says "failed" (and the CLI exits 1)."""
-    from .build import check_targets, resolve_builder
+    from .engine.builder import check_targets, resolve_builder
 
     opts = opts.check()  # every option, before anything is loaded or built
     cfg = load_config(opts.config) if opts.config else None
@@ -159,7 +159,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
     if opts.strip_weights and builder == "tensorrt-rtx":
-        from .build import STRIP_REFUSED_RTX
+        from .engine.builder import STRIP_REFUSED_RTX
 
         raise ConfigError(STRIP_REFUSED_RTX)
     model = _load_model(opts, cfg)
@@ -194,9 +194,9 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 def _check_for_model(opts: BuildOptions, cfg) -> tuple[list, tuple | None]:
     """The options that depend on the model, against its config: the optimization profiles and the
     evaluation text's (windows, description) or None (returned), the verification shapes and greedy steps."""
-    from .build import Profiles, parse_profiles
-    from .quantize import check_model_shape
-    from .verify import check_inputs
+    from .engine.builder import Profiles, parse_profiles
+    from .graphs.quantize import check_model_shape
+    from .verify.compare import check_inputs
 
     base = Profiles.for_model(cfg)
     profiles = parse_profiles(opts.profiles, base) if opts.profiles else [base]
@@ -211,7 +211,7 @@ def _check_for_model(opts: BuildOptions, cfg) -> tuple[list, tuple | None]:
 def _check_text_options(opts: BuildOptions, cfg) -> tuple | None:
     """Refuse a bad tokenizer or evaluation text before anything heavy runs; returns the evaluation
     text's (windows, description), tokenized once for the whole build, or None without one."""
-    from .text import load_tokenizer
+    from .model.text import load_tokenizer
 
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
@@ -225,7 +225,7 @@ def _check_text_options(opts: BuildOptions, cfg) -> tuple | None:
 
 def _evaluation(tok, path: Path | str, cfg) -> tuple:
     """(token windows, description) of the evaluation text in `path`, tokenized once."""
-    from .text import describe_text, encode, read_text, windows
+    from .model.text import describe_text, encode, read_text, windows
 
     body = read_text(path)
     ids = encode(tok, body)
@@ -234,7 +234,7 @@ def _evaluation(tok, path: Path | str, cfg) -> tuple:
 
 def _eval_windows(folder: Path, artifacts: dict, cfg):
     """(token windows, description) of the build's evaluation text, or (None, None) without one."""
-    from .text import load_tokenizer
+    from .model.text import load_tokenizer
 
     if "eval_text" not in artifacts:
         return None, None
@@ -243,7 +243,7 @@ def _eval_windows(folder: Path, artifacts: dict, cfg):
 
 
 def _load_model(opts: BuildOptions, cfg):
-    from .checkpoint import load_model
+    from .model.checkpoint import load_model
 
     return load_model(opts.checkpoint, cfg, seed=opts.seed)
 
@@ -269,7 +269,7 @@ def _claim(out: Path, opts: BuildOptions, force: bool) -> set[str]:
 
 
 def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path, evaluation) -> dict:
-    from .build import build_engine
+    from .engine.builder import build_engine
 
     cfg = model.cfg
     artifacts: dict[str, str] = {}
@@ -324,10 +324,10 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
 def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
     """Every ONNX graph of the build: the standard graph (and its fp32 source), the plugin graph, and the
     KV-cache decoder (in the build's precision; its plugin graph for TensorRT). Returns the plugin report."""
-    from .export import export_onnx
-    from .passes.gelu_plugin import apply_gelu_plugin
-    from .precision import WEIGHT_ONLY, convert_precision
-    from .quantize import write_qdq
+    from .graphs.export import export_onnx
+    from .graphs.gelu_plugin import apply_gelu_plugin
+    from .graphs.precision import WEIGHT_ONLY, convert_precision
+    from .graphs.quantize import write_qdq
 
     weight_only = opts.precision in WEIGHT_ONLY
     what = ("weights to ONNX Runtime's MatMulNBits (weight-only; the embedding lookup stays float32)" if weight_only
@@ -349,8 +349,8 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
     artifacts["onnx_plugin"] = plugin_report.path.name
     console.print(f"  {plugin_report.summary()}")
     if opts.decoder:
-        from .genai import write_genai_config
-        from .kvcache import export_decoder_onnx
+        from .deploy.genai import write_genai_config
+        from .graphs.kvcache import export_decoder_onnx
 
         with step("Exporting the KV-cache decoder graph"):
             decoder = export_decoder_onnx(model, tmp / "decoder.onnx", quiet=True)
@@ -374,8 +374,8 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
 def _export_inplace_decoder(tmp: Path, model, precision: str, artifacts: dict) -> Path:
     """The in-place decoder (inplace_decoder.py) in the build's precision: what ONNX Runtime and
     onnxruntime-genai run. Its float32 source is not kept (the standard decoder's is, for the engines)."""
-    from .inplace_decoder import export_inplace_decoder
-    from .precision import convert_precision
+    from .graphs.inplace_decoder import export_inplace_decoder
+    from .graphs.precision import convert_precision
 
     with step("Writing the in-place KV-cache decoder (GroupQueryAttention, for ONNX Runtime)"):
         graph = export_inplace_decoder(model, tmp / "decoder.inplace.onnx", quiet=True)
@@ -389,7 +389,7 @@ def _export_inplace_decoder(tmp: Path, model, precision: str, artifacts: dict) -
 def _share_weights(tmp: Path, precision: str, artifacts: dict) -> None:
     """One weights file per precision, shared by that precision's graphs (the fp32 sources of an
     fp16/bf16 build are the other precision): a folder holds each weight once, not once per graph."""
-    from .external_data import share_weights
+    from .graphs.external_data import share_weights
 
     by_precision: dict[str, list[Path]] = {}
     for role, name in artifacts.items():
@@ -404,8 +404,8 @@ def _share_weights(tmp: Path, precision: str, artifacts: dict) -> None:
 
 def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict, timing_cache) -> None:
     """The decoder's engine with two optimization profiles (prefill: no past; decode: one token)."""
-    from .build import build_engine
-    from .kvcache import optimization_profiles
+    from .engine.builder import build_engine
+    from .graphs.kvcache import optimization_profiles
 
     source = tmp / artifacts.get("decoder_onnx_plugin", artifacts.get("decoder_onnx_qdq", artifacts["decoder_onnx"]))
     result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
@@ -437,9 +437,9 @@ def _verify_decoder(folder: Path, model, precision: str, artifacts: dict, greedy
 
 
 def _verify_decoder_graph(model, path: Path, precision: str, prompts, greedy_steps: int) -> dict:
-    from .precision import TOLERANCES
+    from .graphs.precision import TOLERANCES
     from .runtime import load
-    from .runtime.agreement import greedy_agreement, verify_decoder
+    from .verify.agreement import greedy_agreement, verify_decoder
 
     steps = verify_decoder(model, path, prompts, steps=8, **TOLERANCES[precision])
     result = {"artifact": path.name, "steps": steps, "passed": steps["passed"]}
@@ -461,7 +461,7 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
             evaluation: tuple | None = None):
     """Verify every artifact of a (staged or finished) build folder against the PyTorch model. `evaluation`:
     the evaluation text's (windows, description) when the caller has it, else read from the folder."""
-    from .verify import verify
+    from .verify.compare import verify
 
     runners: dict[str, object] = {"onnxrt": folder / artifacts["onnx"],
                                   "onnxrt-plugin": folder / artifacts["onnx_plugin"]}
@@ -493,9 +493,9 @@ def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: d
 def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
     """Greedy decoding through the runtime's TrtSession against PyTorch; `passed` gates the build in every
     precision: a divergence fails unless every logit up to it is within the precision's tolerance (a tie)."""
-    from .graphs import read_decoder
-    from .precision import TOLERANCES
-    from .runtime.agreement import greedy_agreement
+    from .graphs.layout import read_decoder
+    from .graphs.precision import TOLERANCES
+    from .verify.agreement import greedy_agreement
     from .runtime.trt import TrtSession
 
     graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
@@ -509,7 +509,7 @@ def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: 
 
 def _engine_blocker(plan: Path, info: dict) -> str | None:
     """Why the engine `plan` (described by its sidecar `info`) cannot run here, or None when it can."""
-    from .build import check_engine_compat
+    from .engine.builder import check_engine_compat
     from .errors import gpu_compute_capability
 
     if gpu_compute_capability() is None:
@@ -541,7 +541,7 @@ def _engine_runner(plan: Path, info: dict):
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    from .build import refit_stripped, trt_module
+    from .engine.builder import refit_stripped, trt_module
 
     def engine():  # a weight-stripped engine gets its weights back from the ONNX beside it
         e = EngineFromBytes(BytesFromPath(str(plan)))()
@@ -567,10 +567,10 @@ def _verification(report) -> dict:
 def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shapes=None, greedy_steps: int = 32) -> dict:
     """Verify a finished build folder again, here: on a GPU host this runs the engine too. Rewrites
     verify.json and the manifest's status; refuses a folder whose files changed since the build."""
-    from .checkpoint import model_for
+    from .model.checkpoint import model_for
     from .config import ModelConfig
 
-    from .verify import check_inputs
+    from .verify.compare import check_inputs
 
     folder = Path(folder)
     with locked_folder(folder):  # no build may replace it meanwhile

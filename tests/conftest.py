@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from andrea_export.checkpoint import random_init
+from andrea_export.model.checkpoint import random_init
 from andrea_export.config import ANDREA_TINY
 
 LIVELY_PROMPT = "Create a new"
@@ -21,7 +21,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tiny_onnx(tiny_model, tmp_path_factory):
-    from andrea_export.export import export_onnx
+    from andrea_export.graphs.export import export_onnx
 
     return export_onnx(tiny_model, tmp_path_factory.mktemp("tiny") / "model.onnx", quiet=True)
 
@@ -30,7 +30,7 @@ def tiny_onnx(tiny_model, tmp_path_factory):
 def demo_dir():
     """The trained demo: tokenizer.json, model.safetensors, heldout.txt, train.json, loss.png."""
     pytest.importorskip("tokenizers", reason="the 'text' extra (Hugging Face tokenizers) trains the tokenizer")
-    from andrea_export.demo import demo_model
+    from andrea_export.model.demo import demo_model
 
     return demo_model()
 
@@ -43,7 +43,7 @@ def demo_log(demo_dir):
 @pytest.fixture(scope="session")
 def lively_model(demo_dir):
     """andrea-tiny trained on real text (a GPT-2 init at tiny size only repeats the last token)."""
-    from andrea_export.checkpoint import load_checkpoint
+    from andrea_export.model.checkpoint import load_checkpoint
 
     return load_checkpoint(demo_dir / "model.safetensors")
 
@@ -52,7 +52,7 @@ def lively_model(demo_dir):
 def lively_prompt(demo_dir):
     """Token ids of words whose greedy continuation by the trained model varies (> 10 distinct ids in 64
     tokens; many prompts, random ids among them, fall into one repeated token)."""
-    from andrea_export.text import encode, load_tokenizer
+    from andrea_export.model.text import encode, load_tokenizer
 
     return encode(load_tokenizer(demo_dir / "tokenizer.json"), LIVELY_PROMPT)
 
@@ -60,7 +60,7 @@ def lively_prompt(demo_dir):
 @pytest.fixture(scope="session")
 def lively_decoder(lively_model, tmp_path_factory):
     """decoder.onnx of the trained model, alone in its folder (a folder `runtime.load` accepts)."""
-    from andrea_export.kvcache import export_decoder_onnx
+    from andrea_export.graphs.kvcache import export_decoder_onnx
     from andrea_export.names import DECODER_FILE
 
     return export_decoder_onnx(lively_model, tmp_path_factory.mktemp("decoder") / DECODER_FILE, quiet=True)
@@ -70,7 +70,7 @@ def lively_decoder(lively_model, tmp_path_factory):
 def lively_build(lively_model, tmp_path_factory):
     """A real build folder of the lively model: its checkpoint in, TensorRT-RTX engines built on the CPU."""
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
-    from andrea_export.checkpoint import save_checkpoint
+    from andrea_export.model.checkpoint import save_checkpoint
     from andrea_export.pipeline import BuildOptions, run_build
 
     ckpt = save_checkpoint(lively_model, tmp_path_factory.mktemp("ckpt") / "lively.safetensors")

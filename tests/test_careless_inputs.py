@@ -222,7 +222,7 @@ def test_sampling_options_still_work(tiny_build):
     (["--builder", "tensorrt", "--compute-capability", "8.6"], ["TensorRT-RTX only"]),
 ])
 def test_build_options_refused_before_any_work(tmp_path, monkeypatch, args, words):
-    import andrea_export.checkpoint
+    import andrea_export.model.checkpoint
 
     if args == ["--compute-capability", "7.5"]:  # fp32 for Turing: known once --builder auto has chosen RTX
         pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) is the builder this case needs")
@@ -230,7 +230,7 @@ def test_build_options_refused_before_any_work(tmp_path, monkeypatch, args, word
     def no_work(*a, **k):
         raise AssertionError("a bad option must be refused before the model is made")
 
-    monkeypatch.setattr(andrea_export.checkpoint, "random_init", no_work)
+    monkeypatch.setattr(andrea_export.model.checkpoint, "random_init", no_work)
     out = tmp_path / "b"
     r = cli("build", "--config", "andrea-tiny", "--out", out, *args)
     assert r.exit_code in (1, 2), r.output

@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from andrea_export import artifacts, pipeline
+from andrea_export.folder import atomic as artifacts
+from andrea_export import pipeline
 from andrea_export.errors import BuildError
-from andrea_export.buildfolder import changed_artifacts, read_manifest
+from andrea_export.folder.reader import changed_artifacts, read_manifest
 from andrea_export.pipeline import BuildOptions, run_build
 
 NEW_SEED = 7
@@ -166,7 +167,7 @@ def test_interrupted_verify_keeps_a_consistent_folder(old_build, monkeypatch):
 
 
 def _canned_report(folder: Path):
-    from andrea_export.verify import VerifyReport
+    from andrea_export.verify.compare import VerifyReport
 
     d = json.loads((folder / "verify.json").read_text())
     d["shapes"] = d["shapes"] + [[9, 9]]  # a new report: different bytes from the old one

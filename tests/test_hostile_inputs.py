@@ -177,7 +177,7 @@ def test_a_model_name_cannot_steer_the_output_folder(scene, name):
 def test_a_checkpoint_name_cannot_steer_the_output_folder(scene):
     from safetensors.torch import save_file
 
-    from andrea_export.checkpoint import random_init
+    from andrea_export.model.checkpoint import random_init
 
     model = random_init(ANDREA_TINY, announce=False)
     ckpt = scene.root / "w.safetensors"
@@ -371,7 +371,7 @@ def test_a_foreign_onnx_with_copied_metadata(scene):
     onnx.save(foreign, str(scene.root / "foreign.onnx"))
     meta = {p.key: p.value for p in onnx.load(str(scene.evil / "model.onnx"), load_external_data=False).metadata_props}
     copied = _with_metadata(scene.root / "foreign.onnx", scene.root / "copied.onnx", **meta)
-    from andrea_export.checkpoint import random_init, save_checkpoint
+    from andrea_export.model.checkpoint import random_init, save_checkpoint
 
     ckpt = save_checkpoint(random_init(ANDREA_TINY, announce=False), scene.root / "w.safetensors")
     with untouched(scene, inside=scene.root / "copied.onnx.verify.json"):
@@ -382,7 +382,7 @@ def test_a_foreign_onnx_with_copied_metadata(scene):
 
 
 def test_checkpoint_names_odd_file_names_and_umask(scene):
-    from andrea_export.checkpoint import load_checkpoint, random_init, save_checkpoint
+    from andrea_export.model.checkpoint import load_checkpoint, random_init, save_checkpoint
 
     old = os.umask(0o022)
     try:
@@ -467,7 +467,7 @@ _path_text = st.lists(st.sampled_from(["a", "b", ".", "..", "/", "\\", "\x00", "
 @settings(max_examples=300, deadline=None)
 @given(name=_path_text | st.text(max_size=80))
 def test_inside_never_lets_a_path_out(tmp_path_factory, name):
-    from andrea_export.buildfolder import inside
+    from andrea_export.folder.reader import inside
     from andrea_export.errors import BuildError
 
     folder = tmp_path_factory.getbasetemp() / "inside-prop" / "build"

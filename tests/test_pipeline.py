@@ -4,12 +4,12 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from andrea_export.artifacts import sha256_file
+from andrea_export.folder.atomic import sha256_file
 from andrea_export.cli import main
 from andrea_export.config import ModelConfig
 from andrea_export.errors import BuildError, ConfigError
-from andrea_export.external_data import external_data_files
-from andrea_export.buildfolder import read_manifest
+from andrea_export.graphs.external_data import external_data_files
+from andrea_export.folder.reader import read_manifest
 from andrea_export.pipeline import BuildOptions, run_build, verify_build
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
@@ -110,12 +110,12 @@ def test_same_folder_other_build_is_refused(tiny_build):
 
 
 def test_failed_build_leaves_nothing(tmp_path, monkeypatch):
-    import andrea_export.build
+    import andrea_export.engine.builder
 
     def disk_full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(andrea_export.build, "build_engine", disk_full)  # fault injection: a full disk mid-build
+    monkeypatch.setattr(andrea_export.engine.builder, "build_engine", disk_full)  # fault injection: a full disk mid-build
     out = tmp_path / "b"
     with pytest.raises(BuildError, match="no space left on the device while writing the build into .*nothing was left behind"):
         run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=0))
@@ -198,12 +198,12 @@ def test_force_replaces_a_build_and_removes_its_leftovers(tiny_build, tmp_path):
 
 
 def test_ctrl_c_mid_build_leaves_nothing(tmp_path, monkeypatch):
-    import andrea_export.build
+    import andrea_export.engine.builder
 
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(andrea_export.build, "build_engine", interrupted)  # as if the user pressed Ctrl-C there
+    monkeypatch.setattr(andrea_export.engine.builder, "build_engine", interrupted)  # as if the user pressed Ctrl-C there
     out = tmp_path / "b"
     with pytest.raises(KeyboardInterrupt):
         run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=0))

@@ -42,7 +42,7 @@ import io
 import json
 from pathlib import Path
 
-from ..artifacts import write_text_atomic
+from ..folder.atomic import write_text_atomic
 from ..errors import AndreaExportError
 
 SCHEMA_VERSION = 1
@@ -362,7 +362,7 @@ def _save(fig, path: Path, plt) -> Path:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    from ..artifacts import write_bytes_atomic
+    from ..folder.atomic import write_bytes_atomic
 
     return write_bytes_atomic(path, buf.getvalue())
 

@@ -14,7 +14,7 @@ import torch
 
 from ..config import ModelConfig, load_config
 from ..errors import AndreaExportError
-from ..model import Andrea
+from ..model.andrea import Andrea
 from ..progress import console, styled
 from .backends import DEFAULT_BACKENDS, Backend, Context, Unavailable, default_cache_dir, make_backends
 from .goals import goals, print_summary
@@ -89,7 +89,7 @@ def run_benchmark(
             threads = os.cpu_count() or 1
     env = environment()
     if model is None:
-        from ..checkpoint import load_model
+        from ..model.checkpoint import load_model
 
         cfg = load_config(config) if config is not None else None
         model = load_model(checkpoint, cfg, seed=seed)

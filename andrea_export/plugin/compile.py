@@ -31,7 +31,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..artifacts import write_text_atomic
+from ..folder.atomic import write_text_atomic
 from ..errors import MissingDependency, PluginError
 
 NVRTC_REQUIREMENT = "nvidia-cuda-nvrtc==13.0.88"
@@ -96,7 +96,7 @@ def kernel_source_path() -> Path:
 
 
 def default_cache_dir() -> Path:
-    from ..artifacts import cache_dir
+    from ..folder.atomic import cache_dir
 
     return cache_dir("ptx", override="ANDREA_PTX_CACHE")
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..buildfolder import MANIFEST
+from ..folder.reader import MANIFEST
 from ..errors import installed
-from ..graphs import read_decoder_meta
+from ..graphs.layout import read_decoder_meta
 from ..names import DECODER_FILE, TOKENIZER_FILE
 from .base import InputError, Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
@@ -68,7 +68,7 @@ def _build_manifest(path: Path) -> dict | None:
     anything else; read once per load."""
     if not (path.is_dir() and (path / MANIFEST).is_file()):
         return None
-    from ..buildfolder import read_manifest
+    from ..folder.reader import read_manifest
 
     return read_manifest(path, full=False, error=InputError)
 
@@ -78,7 +78,7 @@ def _from_build(folder: Path, m: dict, backend: str) -> tuple[Path, Path | None]
     is still the one built (sha256): a changed file is refused, never run. ONNX Runtime reads its graph
     (in-place on the CPU where there is one) and the weights it points into, never the engine; TensorRT
     the standard graph (config, layout), the engine and its sidecar, and the weights (a stripped engine's refit)."""
-    from ..buildfolder import artifact, changed_artifacts, graph_weights
+    from ..folder.reader import artifact, changed_artifacts, graph_weights
 
     have = m["artifacts"]
     if "decoder_onnx" not in have:
@@ -159,7 +159,7 @@ def _cpu_only(providers: list[str] | None) -> bool:
 def weights_source(meta: dict[str, str], onnx_path: Path) -> dict:
     """What a graph's metadata records about its weights, checked ({} when nothing is recorded);
     {"kind": "random-init", ...} means the tokens are meaningless (the CLI says so)."""
-    from ..buildfolder import check_weights_source, metadata_json
+    from ..folder.reader import check_weights_source, metadata_json
     from ..names import WEIGHTS_KEY
 
     source = metadata_json(meta, WEIGHTS_KEY, onnx_path) if WEIGHTS_KEY in meta else {}

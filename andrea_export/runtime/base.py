@@ -34,7 +34,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import AndreaExportError
-from ..graphs import KVLayout
+from ..graphs.layout import KVLayout
 
 if TYPE_CHECKING:
     from .sampling import Sampling

@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..graphs import KVLayout
+from ..graphs.layout import KVLayout
 from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
 from .base import Session, Steps
 

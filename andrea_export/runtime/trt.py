@@ -46,7 +46,7 @@ import numpy as np
 
 from ..config import ModelConfig
 from ..errors import AndreaExportError, MissingDependency, require
-from ..graphs import KVLayout
+from ..graphs.layout import KVLayout
 from ..names import ATTENTION_MASK, DECODE, INPUT_IDS, LOGITS, PREFILL
 from .base import InputError, SerialSession
 
@@ -115,7 +115,7 @@ def _refit_if_stripped(trt, engine, engine_path: Path) -> None:
     except ValueError as e:
         raise InputError(f"{side}: not valid JSON ({e})") from None
     if isinstance(info, dict) and info.get("weights_stripped"):
-        from ..build import refit_stripped
+        from ..engine.builder import refit_stripped
 
         refit_stripped(trt, engine, engine_path, info)
 

@@ -17,7 +17,7 @@ import pytest
 from trt_plugin_wheel import plugin_sources
 
 from andrea_export.config import ANDREA_TINY
-from andrea_export.passes.gelu_plugin import apply_gelu_plugin
+from andrea_export.graphs.gelu_plugin import apply_gelu_plugin
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX is not installed (pip install 'andrea-export[rtx]')")
 HERE = Path(__file__).resolve().parent

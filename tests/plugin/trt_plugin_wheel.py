@@ -19,7 +19,7 @@ TRT_PLUGIN_WHEELS = {"10.9.0.34": "tensorrt-cu12-bindings", "11.4.0.106": "tenso
 
 
 def _cache_root() -> Path:
-    from andrea_export.artifacts import cache_dir
+    from andrea_export.folder.atomic import cache_dir
 
     return cache_dir("tensorrt-plugin", override="ANDREA_TRT_PLUGIN_CACHE")
 

@@ -430,7 +430,7 @@ def fake_tensorrt(cudart: FakeCudart) -> types.SimpleNamespace:
     import onnxruntime as ort
     from onnx import TensorProto
 
-    from andrea_export.precision import emulate_in_fp32
+    from andrea_export.graphs.precision import emulate_in_fp32
 
     onnx_to_trt = {TensorProto.FLOAT: DataType.FLOAT, TensorProto.FLOAT16: DataType.HALF,
                    TensorProto.BFLOAT16: DataType.BF16, TensorProto.INT64: DataType.INT64, TensorProto.INT32: DataType.INT32}

@@ -15,7 +15,7 @@ import torch
 from andrea_export import runtime
 from andrea_export.errors import ExportError
 from andrea_export.runtime import InputError
-from andrea_export.runtime.agreement import greedy_agreement
+from andrea_export.verify.agreement import greedy_agreement
 from andrea_export.runtime.ort import OrtSession
 
 
@@ -95,7 +95,7 @@ def test_greedy_agreement_reports_the_first_divergence(lively_model, session, pr
 def test_an_existing_inference_session_is_used_as_it_is(build_dir, monkeypatch):
     """`OrtSession(..., session=s)` steps over `s` (made with the caller's options: the benchmark's threads
     and spin-waiting) instead of loading the graph a second time, and still gives the same tokens."""
-    from andrea_export.graphs import read_decoder
+    from andrea_export.graphs.layout import read_decoder
 
     path = build_dir / "decoder.onnx"
     cfg, layout = read_decoder(path)
@@ -211,8 +211,8 @@ def test_load_refuses(build_dir, tiny_onnx, tmp_path):
 def test_verify_decoder_in_half_precision(lively_model, build_dir, tmp_path, precision):
     """The build's step-by-step decoder check on an fp16 / bf16 graph. ONNX Runtime's CPU provider has no
     bf16 kernels: a bf16 graph runs as its emulate_in_fp32 twin (every op rounded to bf16)."""
-    from andrea_export.precision import TOLERANCES, convert_precision
-    from andrea_export.runtime.agreement import verify_decoder
+    from andrea_export.graphs.precision import TOLERANCES, convert_precision
+    from andrea_export.verify.agreement import verify_decoder
 
     graph = convert_precision(build_dir / "decoder.onnx", tmp_path / f"decoder.{precision}.onnx", precision)
     report = verify_decoder(lively_model, graph, [[5, 6, 7, 8, 9], [300, 200]], steps=4, **TOLERANCES[precision])

@@ -17,12 +17,12 @@ import pytest
 from fake_cuda import DataType, FakeCudart, _Fault, cudaError_t, fake_tensorrt, write_plan
 
 from andrea_export import runtime
-from andrea_export.artifacts import sha256_file
+from andrea_export.folder.atomic import sha256_file
 from andrea_export.config import ANDREA_TINY
-from andrea_export.graphs import read_config
-from andrea_export.graphs import read_kv_layout
-from andrea_export.kvcache import optimization_profiles
-from andrea_export.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
+from andrea_export.graphs.layout import read_config
+from andrea_export.graphs.layout import read_kv_layout
+from andrea_export.graphs.kvcache import optimization_profiles
+from andrea_export.graphs.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
 from andrea_export.runtime.ort import OrtSession
 from andrea_export.runtime.trt import CudaError
 
@@ -390,7 +390,7 @@ def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gr
     """pipeline._verify on a GPU host: the decoder engine's greedy decoding through TrtSession gates the build's
     status in every precision. Here the engine runs on the fake device; the other checks are not the subject."""
     from andrea_export import pipeline
-    from andrea_export import verify as verify_module
+    from andrea_export.verify import compare as verify_module
 
     monkeypatch.setattr(verify_module, "verify", lambda model, runners, *, precision, skipped, **_: verify_module.VerifyReport(
         True, precision, {}, {}, [], [], skipped))

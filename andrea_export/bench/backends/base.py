@@ -3,7 +3,6 @@ threads, exported ONNX files cached per weights fingerprint)."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from ...errors import AndreaExportError
-from ...model import Andrea
+from ...model.andrea import Andrea
 from ...names import DECODER_FILE, INPLACE_DECODER_FILE
 from ..harness import Timer, cpu_timer
 
@@ -42,13 +41,13 @@ class Context:
         return path
 
     def prefill_onnx(self) -> Path:
-        from ...export import export_onnx
+        from ...graphs.export import export_onnx
 
         return self.cached("model.onnx", lambda p: export_onnx(self.model, p, quiet=self.quiet))
 
     def decoder_onnx(self) -> Path:
         try:
-            from ...kvcache import export_decoder_onnx
+            from ...graphs.kvcache import export_decoder_onnx
         except ImportError as e:
             raise Unavailable(f"no KV-cache decoder export in this andrea-export ({e})") from None
         return self.cached(DECODER_FILE, lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
@@ -57,7 +56,7 @@ class Context:
         """The in-place KV-cache decoder (inplace_decoder.py), beside decoder.onnx under the name a build
         gives it: what ONNX Runtime's CPU provider and onnxruntime-genai run."""
         try:
-            from ...inplace_decoder import export_inplace_decoder
+            from ...graphs.inplace_decoder import export_inplace_decoder
         except ImportError as e:
             raise Unavailable(f"no in-place decoder export in this andrea-export ({e})") from None
         return self.cached(INPLACE_DECODER_FILE, lambda p: export_inplace_decoder(self.model, p, quiet=self.quiet))
@@ -65,7 +64,7 @@ class Context:
     def quantized(self, fp32: Path, precision: str) -> Path:
         """The weight-only `precision` ("int8" / "int4") graph of the fp32 export `fp32` (quantize.py),
         cached beside it as <stem>.<precision>.onnx."""
-        from ...quantize import quantize_weights
+        from ...graphs.quantize import quantize_weights
 
         return self.cached(f"{fp32.stem}.{precision}.onnx", lambda p: quantize_weights(fp32, p, precision))
 
@@ -73,18 +72,19 @@ class Context:
 def _exporter_fingerprint() -> str:
     """sha256 (8 hex digits) of the sources that shape the exported graphs, so a changed exporter never
     reuses a stale cached file."""
+    from ...graphs import export, inplace_decoder, kvcache, layout, precision, quantize
+    from ...model import andrea
+
     h = hashlib.sha256()
-    here = Path(__file__).resolve().parents[2]  # andrea_export/
-    for f in ("model.py", "export.py", "kvcache.py", "inplace_decoder.py", "graphs.py", "quantize.py", "precision.py"):
-        with contextlib.suppress(OSError):
-            h.update((here / f).read_bytes())
+    for module in (andrea, export, kvcache, inplace_decoder, layout, quantize, precision):
+        h.update(Path(module.__file__).read_bytes())  # by module, not by file name: a moved file still counts
     h.update(torch.__version__.encode())
     return h.hexdigest()[:8]
 
 
 def default_cache_dir() -> Path:
     """Where exported ONNX files are cached between runs: $ANDREA_EXPORT_CACHE/bench, else ~/.cache/andrea-export/bench."""
-    from ...artifacts import cache_dir
+    from ...folder.atomic import cache_dir
 
     return cache_dir("bench")
 

@@ -44,7 +44,7 @@ class GenaiBackend(Backend):
                 "version": getattr(og, "__version__", None)}  # fmt: skip
 
     def prepare(self, scenarios):
-        from ...genai import write_genai_config
+        from ...deploy.genai import write_genai_config
 
         decoder = self.ctx.inplace_decoder_onnx()
         write_genai_config(decoder)  # what `build` writes (always afresh: the config follows genai.py, not the cache)

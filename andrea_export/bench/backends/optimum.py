@@ -28,8 +28,8 @@ def export_with_optimum(model, out: str | Path) -> Path:
     """`out/` with Optimum's ONNX export of `model` (through transformers' GPT-2), model.onnx last."""
     from optimum.exporters.onnx import main_export
 
-    from ...artifacts import staging
-    from ...hf import to_transformers
+    from ...folder.atomic import staging
+    from ...model.gpt2 import to_transformers
 
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="andrea-hf-") as hf_dir, staging(out, marker_suffix=".onnx") as tmp:
@@ -83,7 +83,7 @@ class OptimumBackend(OrtBackend):
                 onnx = self.ctx.cached(f"optimum-{_versions()}/model.onnx",
                                        lambda p: export_with_optimum(self.ctx.model, p.parent))  # fmt: skip
             else:
-                from ...hf import write_hf_folder
+                from ...model.gpt2 import write_hf_folder
 
                 onnx = self.ctx.cached("hf-folder/model.onnx",
                                        lambda p: write_hf_folder(self.ctx.model, p.parent, quiet=True))  # fmt: skip

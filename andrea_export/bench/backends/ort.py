@@ -152,13 +152,13 @@ class OrtBackend(Backend):
     def prefill(self, ids):
         sess = self.session("prefill")
         if self.inplace:
-            from ...graphs import kv_layout
+            from ...graphs.layout import kv_layout
 
             return self._inplace_step(sess, ids, None, kv_layout(self.ctx.cfg))
         return self._bound(sess, {sess.get_inputs()[0].name: ids})
 
     def decode(self, ids, mask, past):
-        from ...kvcache import ATTENTION_MASK, INPUT_IDS, kv_layout
+        from ...graphs.kvcache import ATTENTION_MASK, INPUT_IDS, kv_layout
 
         sess = self.session("decode")
         layout = kv_layout(self.ctx.cfg)
@@ -215,8 +215,8 @@ class OrtBackend(Backend):
         """andrea_export.runtime's OrtSession wrapped around our session (same file, same options): on the
         in-place graph it steps over one preallocated buffer per layer and kind, as a user's call does."""
         if not hasattr(self, "_rs"):
-            from ...graphs import kv_layout
-            from ...inplace_decoder import inplace_layout
+            from ...graphs.layout import kv_layout
+            from ...graphs.inplace_decoder import inplace_layout
             from ...runtime.ort import OrtSession
 
             layout = inplace_layout(kv_layout(self.ctx.cfg)) if self.inplace else kv_layout(self.ctx.cfg)

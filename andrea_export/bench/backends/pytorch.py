@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ...model import Andrea
+from ...model.andrea import Andrea
 from .base import Backend, Context
 
 

@@ -99,7 +99,7 @@ class TrtBackend(Backend):
         return self._bound("prefill", {INPUT_IDS: ids})
 
     def decode(self, ids, mask, past):
-        from ...graphs import kv_layout
+        from ...graphs.layout import kv_layout
         from ...names import ATTENTION_MASK, INPUT_IDS
 
         names = kv_layout(self.cfg).past_names

@@ -1,0 +1,1 @@
+"""TensorRT and TensorRT-RTX engines: the builder, its optimization profiles and compatibility checks."""

@@ -1,0 +1,130 @@
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from andrea_export.model.checkpoint import random_init, save_checkpoint
+from andrea_export.config import ANDREA_TINY
+from andrea_export.errors import CheckpointError
+from andrea_export.graphs.precision import PRECISIONS
+from andrea_export.verify.compare import lm_metrics, lm_passed, lm_thresholds, reference_model_for, verify
+
+
+def test_onnx_passes_with_all_figures(tiny_model, tiny_onnx, tmp_path):
+    report = verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 1), (2, ANDREA_TINY.n_positions)],
+                    greedy_steps=8, quiet=True)
+    assert report.passed
+    (c,) = report.comparisons
+    assert c["greedy"] == {"steps": 8, "agree": True, "first_divergence": None}
+    for s in c["shapes"]:
+        assert s["max_abs"] < 1e-4 and s["top1_agreement"] == 1.0 and s["max_kl"] < 1e-8
+        assert {"mean_abs", "median_abs", "max_rel", "mean_rel", "median_rel", "top5_overlap"} <= set(s)
+    saved = json.loads(report.save(tmp_path / "verify.json").read_text())
+    assert saved["passed"] is True and saved["shapes"] == [[1, 1], [2, 128]]
+
+
+def test_a_wrong_onnx_fails(tiny_onnx, tmp_path):
+    other = random_init(ANDREA_TINY, seed=1, announce=False)  # different weights than the export
+    report = verify(other, {"onnxrt": tiny_onnx}, shapes=[(1, 4)], greedy_steps=4, quiet=True)
+    assert not report.passed
+    (c,) = report.comparisons
+    assert c["shapes"][0]["logits_within_tolerance"] is False
+    assert c["shapes"][0]["top1_agreement"] < 1.0
+
+
+def test_a_slightly_perturbed_onnx_fails_on_tolerance(tiny_model, tiny_onnx, tmp_path):
+    model = onnx.load(str(tiny_onnx))
+    for init in model.graph.initializer:
+        if list(init.dims) == [ANDREA_TINY.n_positions, ANDREA_TINY.n_embd]:  # the position embedding
+            noise = np.random.default_rng(0).normal(0, 1e-3, size=tuple(init.dims))  # not uniform: LN removes that
+            arr = onnx.numpy_helper.to_array(init) + noise
+            init.CopyFrom(onnx.numpy_helper.from_array(arr.astype(np.float32), init.name))
+            break
+    else:
+        pytest.fail("no position-embedding initializer found")
+    path = tmp_path / "perturbed.onnx"
+    onnx.save(model, str(path))
+    report = verify(tiny_model, {"onnxrt": path}, shapes=[(1, 8)], greedy_steps=0, quiet=True)
+    assert not report.passed  # ~1e-3 shifts of the logits exceed fp32's 1e-4 tolerances
+
+
+def test_lm_metrics_on_known_values():
+    ref = np.array([[[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]], dtype=np.float32)
+    same = lm_metrics(ref, ref)
+    assert same["top1_agreement"] == 1.0 and same["top5_overlap"] == 1.0 and same["max_kl"] == pytest.approx(0)
+    swapped = ref[..., [0, 1, 2, 3, 5, 4]]
+    m = lm_metrics(ref, swapped)
+    assert m["top1_agreement"] == 0.0 and m["top5_overlap"] == 1.0 and m["max_kl"] > 0.1
+
+
+def test_reference_from_metadata_and_checkpoint(tiny_model, tiny_onnx, tmp_path):
+    again = reference_model_for(tiny_onnx)  # random init seed 0, as the ONNX metadata says
+    assert torch.equal(again.wte.weight, tiny_model.wte.weight)
+    ckpt = save_checkpoint(random_init(ANDREA_TINY, seed=5, announce=False), tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match="was made from a checkpoint with sha256 .*, not from .*other.safetensors"):
+        from andrea_export.model.checkpoint import load_checkpoint
+        from andrea_export.graphs.export import export_onnx
+
+        exported = export_onnx(load_checkpoint(ckpt), tmp_path / "from-ckpt.onnx", quiet=True)
+        other = save_checkpoint(random_init(ANDREA_TINY, seed=6, announce=False), tmp_path / "other.safetensors")
+        reference_model_for(exported, other)
+    with pytest.raises(CheckpointError, match="its weights came from a checkpoint; pass that checkpoint"):
+        reference_model_for(exported)
+    assert torch.equal(reference_model_for(exported, ckpt).wte.weight, load_checkpoint(ckpt).wte.weight)
+
+
+def test_shape_outside_the_model(tiny_model, tiny_onnx):
+    from andrea_export.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"verify shape 1x129 does not fit andrea-tiny: batch >= 1 and 1 <= seq <= 128"):
+        verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 129)], quiet=True)
+
+
+def test_a_checkpoint_for_a_random_init_export_is_refused(tiny_onnx, tmp_path):
+    ckpt = save_checkpoint(random_init(ANDREA_TINY, seed=5, announce=False), tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match=r"was made from random weights \(seed 0\), not from a checkpoint; "
+                                              r"leave out --checkpoint"):
+        reference_model_for(tiny_onnx, ckpt)
+
+
+def test_perplexity_on_text_beside_pytorch_and_its_bound(lively_model, demo_dir):
+    """An artifact whose perplexity on real text moves by more than the precision's bound fails; the same
+    model passes with a relative difference of 0."""
+    import copy
+
+    from andrea_export.model import text
+    from andrea_export.graphs.precision import MAX_PPL_REL
+    from andrea_export.verify.compare import TorchRunner
+
+    tok = text.load_tokenizer(demo_dir / "tokenizer.json")
+    wins = text.windows(text.encode(tok, (demo_dir / "heldout.txt").read_text()), 128)[:8]
+    hotter = copy.deepcopy(lively_model)
+    with torch.no_grad():
+        hotter.ln_f.weight.mul_(1.04)  # every logit 4 % larger: a sharper distribution, another perplexity
+    report = verify(lively_model, {"same": TorchRunner(lively_model, "same"), "hotter": TorchRunner(hotter, "hotter")},
+                    precision="bf16", shapes=[(1, 4)], greedy_steps=0, eval_windows=wins, eval_text={"n": 8},
+                    quiet=True)
+    same, hot = report.comparisons
+    assert same["perplexity"] == {"perplexity": same["perplexity"]["reference"], "reference": same["perplexity"]["reference"],
+                                  "rel_diff": 0.0, "passed": True}
+    assert not hot["perplexity"]["passed"]
+    assert abs(hot["perplexity"]["rel_diff"]) > MAX_PPL_REL["bf16"] and not hot["passed"] and not report.passed
+    assert report.perplexity["computed"] and report.perplexity["predicted_tokens"] == 8 * 127
+    assert report.perplexity["text"] == {"n": 8}
+
+
+def test_without_text_the_report_says_perplexity_is_not_computed(tiny_model, tiny_onnx):
+    report = verify(tiny_model, {"onnxrt": tiny_onnx}, shapes=[(1, 2)], greedy_steps=0, quiet=True)
+    assert report.perplexity["computed"] is False and "random weights" in report.perplexity["reason"]
+    assert report.comparisons[0]["perplexity"] is None and report.passed
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precisions_next_token_gate_can_fail(precision):
+    """A graph whose top-1 never agrees with the reference and whose top-5 shares at most 2 of 5 tokens with it
+    (an int4 graph with its nibbles swapped: 0.40 at best on the trained model) fails every precision's
+    next-token gate, even with a KL inside the bound."""
+    nowhere = {"top1_agreement": 0.0, "top5_overlap": 0.4, "max_kl": 0.0, "mean_kl": 0.0}
+    assert not lm_passed(nowhere, lm_thresholds(precision))
