@@ -1,3 +1,5 @@
+"""`python -m andrea_export`: the same command line as `andrea-export`."""
+
 from .cli import main
 
 main()

@@ -115,14 +115,14 @@ def export(checkpoint, config, seed, out, opset, hf_folder):
     the same weights give byte-identical files. The model config and the weights' origin are stored in
     the ONNX metadata, so `verify` needs only the file (and the checkpoint, if there was one).
     """
-    from .model.checkpoint import load_model
     from .config import load_config
     from .graphs.export import export_onnx, op_counts
     from .graphs.layout import check_onnx
+    from .model.checkpoint import load_model
 
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
     if hf_folder:
-        from .model.gpt2 import write_hf_folder
+        from .deploy.optimum import write_hf_folder
 
         click.echo(write_hf_folder(model, hf_folder))
         return
@@ -306,7 +306,7 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
     the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
     """
-    from .deploy.triton.stateless import package as write_package
+    from .deploy.triton import package as write_package
 
     for model_dir in write_package(build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
                                    dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us,
@@ -405,7 +405,8 @@ def train_demo(out, seed, steps, threads):
     """
     import dataclasses
 
-    from .model.demo import Recipe, train_demo as run
+    from .model.demo import Recipe
+    from .model.demo import train_demo as run
 
     recipe = dataclasses.replace(Recipe(), seed=seed, threads=threads, **({"steps": steps} if steps else {}))
     log = run(out, recipe)

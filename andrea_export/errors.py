@@ -36,6 +36,19 @@ class BuildError(AndreaExportError):
     """An engine build failed or was refused."""
 
 
+class InputError(AndreaExportError):
+    """Bad input to a runtime session (token ids, lengths, sampling settings, a build folder without the
+    graph a backend needs). Raised before anything runs."""
+
+
+class CudaError(AndreaExportError):
+    """A CUDA runtime call failed."""
+
+
+class PackageError(AndreaExportError):
+    """A build folder cannot be packaged as asked; the message says why and what to do."""
+
+
 class MissingDependency(AndreaExportError):
     """An optional package is needed for this step; the message says what to install."""
 

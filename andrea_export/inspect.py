@@ -38,8 +38,8 @@ def _describe_onnx(path: Path) -> dict:
     import onnx
 
     from .graphs.export import op_counts
-    from .graphs.layout import check_onnx
     from .graphs.external_data import external_data_files
+    from .graphs.layout import check_onnx
 
     model = check_onnx(path)
 
@@ -63,8 +63,8 @@ def _describe_onnx(path: Path) -> dict:
 
 
 def _describe_engine(path: Path) -> dict:
+    from .engine.refit import sidecar_path
     from .folder.atomic import sha256_file
-    from .engine.builder import sidecar_path
     from .folder.reader import read_engine_info
 
     info = {"kind": "engine", "path": str(path), "bytes": path.stat().st_size}

@@ -1,20 +1,26 @@
-"""The names every artifact shares: graph inputs and outputs, and the ONNX metadata keys. A module of
+"""The names every artifact shares: graph inputs and outputs, ONNX metadata keys, file names, precisions and
+builders. A module of
 its own, importing nothing, so the builder and the precision pass agree with the exporter without
 pulling in torch."""
 
 INPUT_IDS = "input_ids"  # int64 [batch, tokens]
 ATTENTION_MASK = "attention_mask"  # int64 [batch, past + tokens] (KV-cache decoder)
 LOGITS = "logits"  # float32 [batch, tokens, vocab], whatever the graph's precision
-WEIGHTS_FILE = "weights.{}.data"  # a build folder's weights of one precision, shared by its graphs (external_data.py)
+WEIGHTS_FILE = "weights.{}.data"  # a build folder's weights of one precision, shared by its graphs (graphs/external_data.py)
 
 CONFIG_KEY = "andrea.config"  # the ModelConfig, JSON (ONNX metadata and safetensors metadata)
 WEIGHTS_KEY = "andrea.weights"  # where the weights came from: a checkpoint (sha256) or a seeded random init
-PRECISION_KEY = "andrea.precision"  # fp32 | fp16 | bf16 (precision.convert_precision)
-KV_LAYOUT_KEY = "andrea.kv_layout"  # the decoder's cache layout (kvcache.KVLayout)
-PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (passes/gelu_plugin.py)
+PRECISION_KEY = "andrea.precision"  # fp32 | fp16 | bf16 (graphs/precision.convert_precision)
+KV_LAYOUT_KEY = "andrea.kv_layout"  # the decoder's cache layout (graphs/layout.KVLayout)
+PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (graphs/gelu_plugin.py)
 
 DECODER_FILE = "decoder.onnx"  # the KV-cache decoder graph's name inside a build folder
-INPLACE_DECODER_FILE = "decoder.inplace.onnx"  # the in-place decoder's (inplace_decoder.py), fp32
-PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (kvcache.optimization_profiles)
+INPLACE_DECODER_FILE = "decoder.inplace.onnx"  # the in-place decoder's (graphs/inplace_decoder.py), fp32
+PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (graphs/kvcache.optimization_profiles)
 TOKENIZER_FILE = "tokenizer.json"  # a build folder's tokenizer (build --tokenizer), Hugging Face format
 EVAL_TEXT_FILE = "eval.txt"  # a build folder's evaluation text (build --eval-text)
+
+FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")  # every weight and activation in that type (graphs/precision.py)
+WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights (graphs/quantize.py; Q/DQ for the engines)
+PRECISIONS = (*FLOAT_PRECISIONS, *WEIGHT_ONLY)
+BUILDERS = ("tensorrt", "tensorrt-rtx")  # engine builders (engine/builders.py)

@@ -1,8 +1,8 @@
-"""`andrea-export build` as a Python function: checkpoint -> ONNX -> plugin graph -> engine ->
+"""`andrea-export build` as a Python function, orchestration only: checkpoint -> ONNX -> plugin graph -> engine ->
 Polygraphy verification -> a self-describing build folder with manifest.json.
 
 The folder is locked for the whole build, assembled in a hidden staging folder beside `out`, and swapped
-with `out` in one step (artifacts.update_folder) when every step has run, so a folder with a manifest
+with `out` in one step (folder.atomic.update_folder) when every step has run, so a folder with a manifest
 is a finished build (its `status` says whether it passed). Ctrl-C, a crash, kill -9 or a full disk
 leave `out` as it was; `verify BUILD` updates the folder the same way.
 """
@@ -20,11 +20,10 @@ import tomllib
 from pathlib import Path
 
 from . import __version__
-from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
-from .folder.reader import MANIFEST, SCHEMA_VERSION, read_engine_info, read_manifest
-from .folder.reader import changed_artifacts
 from .config import load_config
 from .errors import AndreaExportError, BuildError, ConfigError
+from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
+from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
 from .progress import console, step, styled, warn
 
@@ -80,8 +79,10 @@ class BuildOptions:
         """Check every option's type and range (nothing is loaded or built); returns self. Raises
         ConfigError naming the option. What depends on the model (profiles and verify shapes against its
         context) is checked by run_build as soon as the model config is known, still before any work."""
-        from .engine.builder import BUILDERS, OPT_LEVELS, normalize_compute_capabilities, parse_profiles
-        from .graphs.precision import PRECISIONS
+        from .engine.builder import OPT_LEVELS
+        from .engine.compat import normalize_compute_capabilities
+        from .engine.profiles import parse_profiles
+        from .names import BUILDERS, PRECISIONS
 
         def bad(field: str, want: str):
             raise ConfigError(f"build option '{field}': expected {want}, got {getattr(self, field)!r}")
@@ -151,7 +152,8 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
     Raises AndreaExportError for bad input before any heavy step; a verification failure is not an
     exception: the manifest's status says "failed" (and the CLI exits 1)."""
-    from .engine.builder import check_targets, resolve_builder
+    from .engine.builders import resolve_builder
+    from .engine.compat import check_targets
 
     opts = opts.check()  # every option, before anything is loaded or built
     cfg = load_config(opts.config) if opts.config else None
@@ -159,7 +161,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
     if opts.strip_weights and builder == "tensorrt-rtx":
-        from .engine.builder import STRIP_REFUSED_RTX
+        from .engine.refit import STRIP_REFUSED_RTX
 
         raise ConfigError(STRIP_REFUSED_RTX)
     model = _load_model(opts, cfg)
@@ -194,7 +196,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 def _check_for_model(opts: BuildOptions, cfg) -> tuple[list, tuple | None]:
     """The options that depend on the model, against its config: the optimization profiles and the
     evaluation text's (windows, description) or None (returned), the verification shapes and greedy steps."""
-    from .engine.builder import Profiles, parse_profiles
+    from .engine.profiles import Profiles, parse_profiles
     from .graphs.quantize import check_model_shape
     from .verify.compare import check_inputs
 
@@ -212,6 +214,7 @@ def _check_text_options(opts: BuildOptions, cfg) -> tuple | None:
     """Refuse a bad tokenizer or evaluation text before anything heavy runs; returns the evaluation
     text's (windows, description), tokenized once for the whole build, or None without one."""
     from .model.text import load_tokenizer
+    from .verify.folder import evaluation_windows
 
     if opts.tokenizer:
         tok = load_tokenizer(opts.tokenizer)
@@ -219,27 +222,8 @@ def _check_text_options(opts: BuildOptions, cfg) -> tuple | None:
             raise ConfigError(f"{opts.tokenizer}: {tok.get_vocab_size()} tokens, more than the model's vocabulary "
                               f"({cfg.vocab_size}); it is not this model's tokenizer")
         if opts.eval_text:
-            return _evaluation(tok, opts.eval_text, cfg)  # refuses a text shorter than one window
+            return evaluation_windows(tok, opts.eval_text, cfg)  # refuses a text shorter than one window
     return None
-
-
-def _evaluation(tok, path: Path | str, cfg) -> tuple:
-    """(token windows, description) of the evaluation text in `path`, tokenized once."""
-    from .model.text import describe_text, encode, read_text, windows
-
-    body = read_text(path)
-    ids = encode(tok, body)
-    return windows(ids, cfg.n_positions), describe_text(body, tok, len(ids))
-
-
-def _eval_windows(folder: Path, artifacts: dict, cfg):
-    """(token windows, description) of the build's evaluation text, or (None, None) without one."""
-    from .model.text import load_tokenizer
-
-    if "eval_text" not in artifacts:
-        return None, None
-    # fixed names: a manifest's path is never followed
-    return _evaluation(load_tokenizer(folder / FILE_OF["tokenizer"]), folder / FILE_OF["eval_text"], cfg)
 
 
 def _load_model(opts: BuildOptions, cfg):
@@ -270,6 +254,7 @@ def _claim(out: Path, opts: BuildOptions, force: bool) -> set[str]:
 
 def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path, evaluation) -> dict:
     from .engine.builder import build_engine
+    from .verify.folder import build_status, verification_record, verify_folder
 
     cfg = model.cfg
     artifacts: dict[str, str] = {}
@@ -293,15 +278,15 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
 
     if opts.decoder:
         _build_decoder_engine(tmp, model, opts, builder, artifacts, timing_cache)
-    report = _verify(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes, opts.greedy_steps,
-                     evaluation)
+    report = verify_folder(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes,
+                           opts.greedy_steps, evaluation)
     report.save(tmp / "verify.json")
     artifacts["verify_report"] = "verify.json"
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "andrea-export", "version": __version__},
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "status": _status(report),
+        "status": build_status(report),
         "model": cfg.to_dict(),
         "weights": model.weights_source,
         "precision": opts.precision,
@@ -314,7 +299,7 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
                     "source_graph": source.name, "warnings": result.warnings},
         "profiles": [_profile_shapes(p) for p in profiles],
         "plugin": _plugin_info(plugin_report, builder),
-        "verification": _verification(report),
+        "verification": verification_record(report),
         "environment": _environment(),
         "options": dataclasses.asdict(opts),
         "artifacts": artifacts,
@@ -326,8 +311,9 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
     KV-cache decoder (in the build's precision; its plugin graph for TensorRT). Returns the plugin report."""
     from .graphs.export import export_onnx
     from .graphs.gelu_plugin import apply_gelu_plugin
-    from .graphs.precision import WEIGHT_ONLY, convert_precision
+    from .graphs.precision import convert_precision
     from .graphs.quantize import write_qdq
+    from .names import WEIGHT_ONLY
 
     weight_only = opts.precision in WEIGHT_ONLY
     what = ("weights to ONNX Runtime's MatMulNBits (weight-only; the embedding lookup stays float32)" if weight_only
@@ -372,7 +358,7 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
 
 
 def _export_inplace_decoder(tmp: Path, model, precision: str, artifacts: dict) -> Path:
-    """The in-place decoder (inplace_decoder.py) in the build's precision: what ONNX Runtime and
+    """The in-place decoder (graphs/inplace_decoder.py) in the build's precision: what ONNX Runtime and
     onnxruntime-genai run. Its float32 source is not kept (the standard decoder's is, for the engines)."""
     from .graphs.inplace_decoder import export_inplace_decoder
     from .graphs.precision import convert_precision
@@ -417,160 +403,13 @@ def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict,
             artifacts[role] = Path(path).name
 
 
-def _verify_decoder(folder: Path, model, precision: str, artifacts: dict, greedy_steps: int, seed: int = 0) -> dict:
-    """Polygraphy step by step (prefill of a left-padded batch, then one token at a time, every output),
-    and greedy decoding through the runtime (ONNX Runtime, KV cache) against PyTorch recomputing all."""
-    import numpy as np
-
-    cfg = model.cfg
-    path = folder / artifacts["decoder_onnx"]
-    rng = np.random.default_rng(seed)
-    n = min(16, cfg.n_positions // 4)
-    prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
-    result = _verify_decoder_graph(model, path, precision, prompts, greedy_steps)
-    if "decoder_onnx_inplace" in artifacts:  # the graph ONNX Runtime and genai run: the same checks
-        with step("Verifying the in-place KV-cache decoder step by step"):
-            result["inplace"] = _verify_decoder_graph(model, folder / artifacts["decoder_onnx_inplace"], precision,
-                                                      prompts, greedy_steps)
-        result["passed"] = result["passed"] and result["inplace"]["passed"]
-    return result
-
-
-def _verify_decoder_graph(model, path: Path, precision: str, prompts, greedy_steps: int) -> dict:
-    from .graphs.precision import TOLERANCES
-    from .runtime import load
-    from .verify.agreement import greedy_agreement, verify_decoder
-
-    steps = verify_decoder(model, path, prompts, steps=8, **TOLERANCES[precision])
-    result = {"artifact": path.name, "steps": steps, "passed": steps["passed"]}
-    if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 kernels for a whole-session decode
-        result["greedy"] = {"skipped": "bf16 decoding needs a GPU runtime (ONNX Runtime CPU has no bf16 kernels)"}
-        return result
-    if greedy_steps:
-        with step(f"Greedy decoding {greedy_steps} tokens with the KV cache (ONNX Runtime, {path.name}) and PyTorch"), \
-                load(path, "onnxruntime", providers=["CPUExecutionProvider"]) as sess:
-            greedy = greedy_agreement(model, sess, prompts[0][:8], n_tokens=greedy_steps)
-        greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
-        result["greedy"] = greedy
-        if precision == "fp32":  # lower precisions report the first divergence and its margin, and may diverge
-            result["passed"] = result["passed"] and greedy["agree"]
-    return result
-
-
-def _verify(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None, greedy_steps=32,
-            evaluation: tuple | None = None):
-    """Verify every artifact of a (staged or finished) build folder against the PyTorch model. `evaluation`:
-    the evaluation text's (windows, description) when the caller has it, else read from the folder."""
-    from .verify.compare import verify
-
-    runners: dict[str, object] = {"onnxrt": folder / artifacts["onnx"],
-                                  "onnxrt-plugin": folder / artifacts["onnx_plugin"]}
-    skipped = []
-    engine_runner, reason = _engine_runner(folder / artifacts["engine"], engine_info)
-    if engine_runner is not None:
-        runners["engine"] = engine_runner
-    else:
-        skipped.append({"artifact": "engine", "reason": reason})
-    shapes = [tuple(s) for s in shapes] if shapes else None
-    wins, described = evaluation or _eval_windows(folder, artifacts, model.cfg)
-    report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped,
-                    eval_windows=wins, eval_text=described)
-    if "decoder_onnx" in artifacts:
-        with step("Verifying the KV-cache decoder step by step"):
-            report.decoder = _verify_decoder(folder, model, precision, artifacts, greedy_steps)
-        if "decoder_engine" in artifacts:
-            plan = folder / artifacts["decoder_engine"]
-            reason = _engine_blocker(plan, read_engine_info(folder / artifacts["decoder_engine_info"]))
-            if reason:
-                report.skipped.append({"artifact": "decoder_engine", "reason": reason})
-            else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph) decodes like PyTorch
-                report.decoder["engine_greedy"] = _engine_greedy(folder, model, artifacts, greedy_steps or 32, precision)
-                report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine_greedy"]["passed"]
-        report.passed = report.passed and report.decoder["passed"]
-    return report
-
-
-def _engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
-    """Greedy decoding through the runtime's TrtSession against PyTorch; `passed` gates the build in every
-    precision: a divergence fails unless every logit up to it is within the precision's tolerance (a tie)."""
-    from .graphs.layout import read_decoder
-    from .graphs.precision import TOLERANCES
-    from .verify.agreement import greedy_agreement
-    from .runtime.trt import TrtSession
-
-    graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
-    prompt = list(range(1, 9))
-    cfg, layout = read_decoder(graph)  # one check of the graph
-    with TrtSession(folder / artifacts["decoder_engine"], cfg, layout) as sess:
-        greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **TOLERANCES[precision])
-    greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
-    return greedy
-
-
-def _engine_blocker(plan: Path, info: dict) -> str | None:
-    """Why the engine `plan` (described by its sidecar `info`) cannot run here, or None when it can."""
-    from .engine.builder import check_engine_compat
-    from .errors import gpu_compute_capability
-
-    if gpu_compute_capability() is None:
-        targets = ", ".join(info["compute_capabilities"])
-        what = (f"an RTX-class GPU of compute capability {targets}" + (" or newer" if info.get("compute_capabilities_default") else "")
-                if info["builder"] == "tensorrt-rtx" else "a GPU")
-        return (f"no GPU on this machine: the {info['builder']} engine needs {what} to run; the exact ONNX that "
-                "went into the builder was verified on ONNX Runtime instead")
-    try:
-        check_engine_compat(plan, info)
-    except AndreaExportError as e:
-        return str(e)
-    return None
-
-
-def _engine_runner(plan: Path, info: dict):
-    """Polygraphy's TensorRT runner for the engine, or (None, why it cannot run here)."""
-    import os
-
-    reason = _engine_blocker(plan, info)
-    if reason:
-        return None, reason
-    if info["builder"] == "tensorrt-rtx":
-        os.environ["POLYGRAPHY_USE_TENSORRT_RTX"] = "1"  # read by Polygraphy at import; set before it loads TensorRT
-    elif info.get("plugin_layers"):
-        from .plugin.register import register_plugins
-
-        register_plugins()  # AOT plugins need no Python at run time, but Polygraphy deserializes in this process
-    from polygraphy.backend.common import BytesFromPath
-    from polygraphy.backend.trt import EngineFromBytes, TrtRunner
-
-    from .engine.builder import refit_stripped, trt_module
-
-    def engine():  # a weight-stripped engine gets its weights back from the ONNX beside it
-        e = EngineFromBytes(BytesFromPath(str(plan)))()
-        refit_stripped(trt_module(info["builder"]), e, plan, info)
-        return e
-
-    return TrtRunner(engine, name="engine"), ""
-
-
-def _status(report) -> str:
-    engine_ran = not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped)
-    return "failed" if not report.passed else ("passed" if engine_ran else "engine-unverified")
-
-
-def _verification(report) -> dict:
-    return {"passed": report.passed, "report": "verify.json",
-            "engine_verified": not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped),
-            "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons},
-            "perplexity": ({**p["reference"], **p["artifacts"]} if (p := report.perplexity) and p.get("computed")
-                           else None)}
-
-
 def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shapes=None, greedy_steps: int = 32) -> dict:
     """Verify a finished build folder again, here: on a GPU host this runs the engine too. Rewrites
     verify.json and the manifest's status; refuses a folder whose files changed since the build."""
-    from .model.checkpoint import model_for
     from .config import ModelConfig
-
+    from .model.checkpoint import model_for
     from .verify.compare import check_inputs
+    from .verify.folder import build_status, verification_record, verify_folder
 
     folder = Path(folder)
     with locked_folder(folder):  # no build may replace it meanwhile
@@ -590,9 +429,9 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         # the new verify.json and manifest are staged with the unchanged files and swapped in together:
         # a crash never leaves a report that the manifest does not record
         with update_folder(folder) as tmp:
-            report = _verify(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
+            report = verify_folder(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
             report.save(tmp / "verify.json")
-            m["status"], m["verification"] = _status(report), _verification(report)
+            m["status"], m["verification"] = build_status(report), verification_record(report)
             m["artifacts"]["verify_report"] = _hash_artifacts(tmp, {"verify_report": "verify.json"})["verify_report"]
             m["verified_on"] = _environment()
             write_text_atomic(tmp / MANIFEST, json.dumps(m, indent=2) + "\n")

@@ -261,7 +261,7 @@ def _tensorrt_here() -> None:
 
 def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
-        from andrea_export.engine.builder import Profiles, parse_profiles
+        from andrea_export.engine.profiles import Profiles, parse_profiles
         from andrea_export.pipeline import BuildOptions, run_build
 
         for p in parse_profiles(plan.profile, Profiles.for_model(plan.cfg)):  # a bad profile fails here, not on the GPU
@@ -282,7 +282,8 @@ def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
 
 def native_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
-        from andrea_export.engine.builder import Profiles, build_engine
+        from andrea_export.engine.builder import build_engine
+        from andrea_export.engine.profiles import Profiles
 
         out, m = c.results["plugin engine"]
         native = build_engine(out / m["artifacts"]["onnx"]["path"], workdir / "native-fp16.plan", builder="tensorrt",

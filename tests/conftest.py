@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from andrea_export.model.checkpoint import random_init
 from andrea_export.config import ANDREA_TINY
+from andrea_export.model.checkpoint import random_init
 
 LIVELY_PROMPT = "Create a new"
 

@@ -72,8 +72,8 @@ NAME_CASES = [  # (name, usable): one rule for a model name and a Triton model n
 def test_one_name_rule_for_model_names_and_triton_model_names(name, usable):
     """A model config and Triton packaging (which refuses a bad name before it reads anything) accept exactly the
     same names: the old rules differed at 65-128 characters and at a leading '_'."""
-    from andrea_export.deploy.triton.stateless import PackageError
     from andrea_export.deploy.triton.stateful import decoder_config
+    from andrea_export.errors import PackageError
 
     try:
         model_ok = ModelConfig(name=name).name == name

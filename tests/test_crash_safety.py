@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from andrea_export.folder import atomic as artifacts
 from andrea_export import pipeline
 from andrea_export.errors import BuildError
+from andrea_export.folder import atomic as artifacts
 from andrea_export.folder.reader import changed_artifacts, read_manifest
 from andrea_export.pipeline import BuildOptions, run_build
 
@@ -143,7 +143,9 @@ def test_interrupt_at_each_rename_leaves_the_old_or_the_new_build(old_build, tin
 
 
 def test_interrupted_verify_keeps_a_consistent_folder(old_build, monkeypatch):
-    monkeypatch.setattr(pipeline, "_verify", lambda *a, **k: _canned_report(old_build))
+    from andrea_export.verify import folder as verify_folder
+
+    monkeypatch.setattr(verify_folder, "verify_folder", lambda *a, **k: _canned_report(old_build))
     before = read_manifest(old_build)
     interrupted = 0
     for n in range(1, 20):
@@ -196,7 +198,8 @@ SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, {tests!r})
     from test_crash_safety import stage_new_build, new_options
-    from andrea_export import artifacts, pipeline
+    from andrea_export import pipeline
+    from andrea_export.folder import atomic as artifacts
 
     out, source, kill_at, gate = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4])
     build_into = stage_new_build(source)

@@ -467,8 +467,8 @@ _path_text = st.lists(st.sampled_from(["a", "b", ".", "..", "/", "\\", "\x00", "
 @settings(max_examples=300, deadline=None)
 @given(name=_path_text | st.text(max_size=80))
 def test_inside_never_lets_a_path_out(tmp_path_factory, name):
-    from andrea_export.folder.reader import inside
     from andrea_export.errors import BuildError
+    from andrea_export.folder.reader import inside
 
     folder = tmp_path_factory.getbasetemp() / "inside-prop" / "build"
     folder.mkdir(parents=True, exist_ok=True)

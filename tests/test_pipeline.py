@@ -4,12 +4,12 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from andrea_export.folder.atomic import sha256_file
 from andrea_export.cli import main
 from andrea_export.config import ModelConfig
 from andrea_export.errors import BuildError, ConfigError
-from andrea_export.graphs.external_data import external_data_files
+from andrea_export.folder.atomic import sha256_file
 from andrea_export.folder.reader import read_manifest
+from andrea_export.graphs.external_data import external_data_files
 from andrea_export.pipeline import BuildOptions, run_build, verify_build
 
 pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
@@ -256,7 +256,7 @@ def test_generate_prints_text_with_the_folder_tokenizer(demo_fp16_build):
 
 
 def test_bf16_build_perplexity_within_one_percent(demo_dir, tmp_path):
-    """Also: the trained model passes precision.py's bf16 tolerances on 4 x 128 tokens (it failed the
+    """Also: the trained model passes verify/thresholds.py's bf16 tolerances on 4 x 128 tokens (it failed the
     bounds measured on random weights)."""
     out = tmp_path / "bf16"
     manifest = run_build(BuildOptions(checkpoint=str(demo_dir / "model.safetensors"), builder="tensorrt-rtx",

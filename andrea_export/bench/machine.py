@@ -194,18 +194,18 @@ def environment() -> dict:
         "env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_WAIT_POLICY",
                                            "CUDA_VISIBLE_DEVICES") if k in os.environ},
         "git": _git(),
-        "loadavg_start": _loadavg(),
+        "loadavg_start": loadavg(),
     }
 
 
-def _loadavg() -> list[float] | None:
+def loadavg() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return None
 
 
-def _load_warnings(load: list[float] | None, threads: int, at_start: bool) -> list[str]:
+def load_warnings(load: list[float] | None, threads: int, at_start: bool) -> list[str]:
     """Timings taken while other processes share the cores are not worth much (PyTorch's OpenMP threads
     slow down 10x when one of them is descheduled at a barrier); say so in the report."""
     if not load:

@@ -42,8 +42,8 @@ import io
 import json
 from pathlib import Path
 
-from ..folder.atomic import write_text_atomic
 from ..errors import AndreaExportError
+from ..folder.atomic import write_text_atomic
 
 SCHEMA_VERSION = 1
 KIND = "andrea-export-bench"

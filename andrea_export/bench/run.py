@@ -19,7 +19,7 @@ from ..progress import console, styled
 from .backends import DEFAULT_BACKENDS, Backend, Context, Unavailable, default_cache_dir, make_backends
 from .goals import goals, print_summary
 from .harness import Settings, Stats, cuda_event_timer, ratio_median, run_interleaved
-from .machine import _load_warnings, _loadavg, combine_limits, environment, measure_machine
+from .machine import combine_limits, environment, load_warnings, loadavg, measure_machine
 from .report import KIND, OURS, SCHEMA_VERSION, inplace_gain, peers, write_outputs
 from .work import (
     DECODE_GRID,
@@ -30,11 +30,12 @@ from .work import (
     QUICK_GENERATE_GRID,
     QUICK_PREFILL_GRID,
     SCENARIOS,
-    _cases,
-    _inputs,
+    case_inputs,
     floor_seconds,
+    grid_cases,
     scenario_work,
 )
+
 
 def run_benchmark(
     config: str | Path | ModelConfig | None = None,
@@ -107,10 +108,10 @@ def run_benchmark(
     prefill_grid = prefill_grid or (QUICK_PREFILL_GRID if quick else PREFILL_GRID)
     decode_grid = decode_grid or (QUICK_DECODE_GRID if quick else DECODE_GRID)
     generate_grid = generate_grid or (QUICK_GENERATE_GRID if quick else GENERATE_GRID)
-    cases = _cases(cfg, scenarios, prefill_grid, decode_grid, generate_grid)
+    cases = grid_cases(cfg, scenarios, prefill_grid, decode_grid, generate_grid)
 
     say = (lambda *a: None) if quiet else console.print
-    notes = _load_warnings(env.get("loadavg_start"), threads, at_start=True)
+    notes = load_warnings(env.get("loadavg_start"), threads, at_start=True)
     for n in notes:
         say(" ", styled("WARNING:", "bold yellow"), n)
     say(styled("benchmark", "bold"), f"{cfg.name} ({cfg.n_params:,} parameters), {threads} threads, "
@@ -148,7 +149,7 @@ def run_benchmark(
         for scenario, batch, seq, past, new_tokens in cases:
             label = {"prefill": f"prefill B={batch} T={seq}", "decode": f"decode B={batch} P={past}",
                      "generate": f"generate B={batch} prompt={seq} new={new_tokens}"}[scenario]  # fmt: skip
-            inputs = _inputs(cfg, scenario, batch, seq, past, seed)
+            inputs = case_inputs(cfg, scenario, batch, seq, past, seed)
             fns, timers = {}, {}
             for b in active:
                 try:
@@ -217,9 +218,9 @@ def run_benchmark(
         "rows": rows,
         "ratios": ratios,
         "failed_cases": failed,
-        "loadavg_end": _loadavg(),
+        "loadavg_end": loadavg(),
     }
-    notes += _load_warnings(doc["loadavg_end"], threads, at_start=False)
+    notes += load_warnings(doc["loadavg_end"], threads, at_start=False)
     below = [f"{r['scenario']} {r['backend']} B={r['batch']} T={r['seq']} P={r['past']} ({r['x_floor']:.2f})"
              for r in rows if r["x_floor"] is not None and r["x_floor"] < DISTURBED_BELOW]  # fmt: skip
     if below:

@@ -94,7 +94,7 @@ def _clip(cfg: ModelConfig, scenario: str, grid):
     return [(b, t, k) for b, t, k in dict.fromkeys(grid) if t + k <= n]
 
 
-def _cases(cfg, scenarios, prefill_grid, decode_grid, generate_grid):
+def grid_cases(cfg, scenarios, prefill_grid, decode_grid, generate_grid):
     cases = []
     if "prefill" in scenarios:
         cases += [("prefill", b, t, 0, 0) for b, t in _clip(cfg, "prefill", prefill_grid)]
@@ -105,7 +105,7 @@ def _cases(cfg, scenarios, prefill_grid, decode_grid, generate_grid):
     return cases
 
 
-def _inputs(cfg: ModelConfig, scenario: str, batch: int, seq: int, past: int, seed: int):
+def case_inputs(cfg: ModelConfig, scenario: str, batch: int, seq: int, past: int, seed: int):
     """The same arrays for every backend: random token ids; for decode a random past KV cache."""
     rng = np.random.default_rng([seed, batch, seq, past, SCENARIOS.index(scenario)])
     ids = rng.integers(0, cfg.vocab_size, size=(batch, seq), dtype=np.int64)

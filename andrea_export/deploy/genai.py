@@ -11,7 +11,7 @@ src/config.h, src/models/model.cpp, kv_cache.cpp, position_inputs.cpp):
   tensor per layer (`past_%d`, [2, batch, heads, past, head_dim]).
 - Inputs `input_ids`, `attention_mask` (int64, 1 = real token). No `position_ids`: genai feeds it only
   when the graph has that input (`HasInput`); our graphs derive positions from the mask.
-- `search.past_present_share_buffer` follows the graph. The in-place decoder (inplace_decoder.py, what
+- `search.past_present_share_buffer` follows the graph. The in-place decoder (graphs/inplace_decoder.py, what
   a build points genai at) writes its cache in place with GroupQueryAttention: true, and genai allocates
   the cache once at max_length, as for its own models. A batch of prompts of different lengths is then
   padded on the RIGHT (GroupQueryAttention's rule; left-padded rows decode wrongly). The standard decoder
@@ -31,8 +31,8 @@ import json
 import shutil
 from pathlib import Path
 
-from ..folder.atomic import write_text_atomic
 from ..errors import ExportError
+from ..folder.atomic import write_text_atomic
 
 GENAI_CONFIG = "genai_config.json"
 MODEL_TYPE = "decoder"

@@ -1,1 +1,13 @@
-"""TensorRT and TensorRT-RTX engines: the builder, its optimization profiles and compatibility checks."""
+"""TensorRT and TensorRT-RTX engines: the builder (builder.py), which builder and its module (builders.py),
+optimization profiles (profiles.py), compatibility and target checks (compat.py), what TensorRT logs
+(log.py), and refitting a weight-stripped engine at load (refit.py)."""
+
+from .._lazy import lazy_exports
+
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "builder": ["BuildResult", "OPT_LEVELS", "build_engine"],
+    "builders": ["BUILDERS", "resolve_builder", "trt_module"],
+    "profiles": ["Profile", "Profiles", "parse_profiles"],
+    "compat": ["check_engine_compat", "check_targets", "normalize_compute_capabilities"],
+    "refit": ["refit_stripped", "sidecar_path"],
+})

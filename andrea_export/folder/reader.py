@@ -13,13 +13,12 @@ import re
 from pathlib import Path
 
 from ..errors import BuildError
+from ..names import BUILDERS, PRECISIONS
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
 MAX_JSON_BYTES = 16 << 20  # a manifest or sidecar is a few kB; refuse to parse a huge one
 STATUSES = ("passed", "engine-unverified", "failed")
-PRECISIONS = ("fp32", "fp16", "bf16", "int8", "int4")  # precision.PRECISIONS (not imported: a lower layer)
-BUILDERS = ("tensorrt", "tensorrt-rtx")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -185,24 +184,6 @@ def changed_artifacts(folder: str | Path, manifest: dict) -> list[str]:
         if not p.is_file() or p.stat().st_size != a["bytes"] or sha256_file(p) != a["sha256"]:
             bad.append(a["path"])
     return bad
-
-
-def graph_weights(folder: str | Path, manifest: dict, graph: str | Path, error: type[Exception] = BuildError) -> list[str]:
-    """The weights files `graph` points into (ONNX external data), each a recorded artifact of the validated
-    `manifest` that still matches its sha256: whoever runs or ships a graph runs or ships those bytes too."""
-    from ..errors import AndreaExportError
-    from ..graphs.external_data import external_data_files
-
-    try:
-        names = sorted(external_data_files(graph))
-    except AndreaExportError as e:
-        raise error(str(e)) from None
-    recorded = {a["path"]: (r, a) for r, a in manifest["artifacts"].items()}
-    if missing := [w for w in names if w not in recorded]:
-        raise error(f"{folder}: {Path(graph).name} points into {', '.join(missing)}, which the manifest does not record; rebuild it")
-    if changed := changed_artifacts(folder, {"artifacts": dict(recorded[w] for w in names)}):
-        raise error(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
-    return names
 
 
 def read_engine_info(path: str | Path, error: type[Exception] = BuildError) -> dict:

@@ -17,12 +17,12 @@ from pathlib import Path
 import onnx
 import torch
 
-from ..folder.atomic import staging
 from ..errors import ExportError
-from .layout import check_onnx
+from ..folder.atomic import staging
 from ..model.andrea import Andrea
 from ..names import CONFIG_KEY, INPUT_IDS, LOGITS, WEIGHTS_KEY
 from ..progress import step
+from .layout import check_onnx
 
 OPSET = 20
 INPUT_NAME = INPUT_IDS  # int64 [batch, seq]

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import onnx
 
+from ..errors import AndreaExportError, BuildError, ExportError
 from ..folder.atomic import atomic_path
-from ..errors import ExportError
+from ..folder.reader import changed_artifacts
 
 MIN_BYTES = 64  # smaller initializers (scalars, shape constants) stay inside the graph
 _ALIGN, _PAGE, _PAGE_ABOVE = 64, 4096, 1 << 20
@@ -179,3 +180,18 @@ def _tensors(model: onnx.ModelProto):
             for a in node.attribute:
                 if a.type == onnx.AttributeProto.TENSOR:
                     yield a.t
+
+
+def graph_weights(folder: str | Path, manifest: dict, graph: str | Path, error: type[Exception] = BuildError) -> list[str]:
+    """The weights files `graph` points into (ONNX external data), each a recorded artifact of the validated
+    `manifest` that still matches its sha256: whoever runs or ships a graph runs or ships those bytes too."""
+    try:
+        names = sorted(external_data_files(graph))
+    except AndreaExportError as e:
+        raise error(str(e)) from None
+    recorded = {a["path"]: (r, a) for r, a in manifest["artifacts"].items()}
+    if missing := [w for w in names if w not in recorded]:
+        raise error(f"{folder}: {Path(graph).name} points into {', '.join(missing)}, which the manifest does not record; rebuild it")
+    if changed := changed_artifacts(folder, {"artifacts": dict(recorded[w] for w in names)}):
+        raise error(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    return names

@@ -26,7 +26,7 @@ parse error. `aot=True/False` writes the attribute for a registration that defin
 The rewrite is done with onnx-ir: weights are never touched (initializers stay the same tensor objects, and
 external data is memory-mapped and streamed to the new file). An inline file is written one initializer at a
 time, byte-identical to `onnx.save` (ANDREA-120M, 369 MB inline: peak RSS about 1.1 GB instead of 2.2 GB;
-with external data about 0.35 GB). Files are written atomically (artifacts.staging) and fully checked first.
+with external data about 0.35 GB). Files are written atomically (folder.atomic.staging) and fully checked first.
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from typing import Union
 import onnx
 import onnx_ir as ir
 
-from ..folder.atomic import staging
 from ..errors import ExportError, PluginError
+from ..folder.atomic import staging
 from ..names import PLUGIN_KEY
 from ..plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION
 

@@ -48,12 +48,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..folder.atomic import staging
 from ..errors import ExportError
-from .export import OPSET
-from .layout import BATCH, CAPACITY, NEW, WIDTH, KVLayout, check_decoder_onnx
+from ..folder.atomic import staging
 from ..names import ATTENTION_MASK, CONFIG_KEY, INPUT_IDS, KV_LAYOUT_KEY, LOGITS, WEIGHTS_KEY
 from ..progress import step
+from .export import OPSET
+from .layout import BATCH, CAPACITY, NEW, WIDTH, KVLayout, check_decoder_onnx
 
 
 def inplace_layout(layout: KVLayout) -> KVLayout:

@@ -1,6 +1,6 @@
 """The decoder graph with a KV cache: its export, and the two TensorRT optimization profiles (prefill,
 decode) that engines built from it use. Its I/O layout (one place, as data: `KVLayout`) and its readers
-are in graphs.py, which runtimes import without torch; their names stay importable from here.
+are in layout.py, which runtimes import without torch; their names stay importable from here.
 
 Prefill passes a past of length 0 (a tensor with an empty axis) and the whole prompt; decode passes the
 previous step's `present.*` as `past_key_values.*` and one token. Positions are not an input: the graph
@@ -23,12 +23,10 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..errors import ExportError
-from .export import OPSET, export_program
-
-from .layout import BATCH, NEW, PAST, KVLayout, check_decoder_onnx, kv_layout  # the layout: graphs.py (no torch)
 from ..model.andrea import Andrea
 from ..names import ATTENTION_MASK, DECODE, INPUT_IDS, KV_LAYOUT_KEY, PREFILL
-
+from .export import OPSET, export_program
+from .layout import BATCH, NEW, PAST, KVLayout, check_decoder_onnx, kv_layout  # the layout: layout.py (no torch)
 
 
 class _DecoderStep(nn.Module):

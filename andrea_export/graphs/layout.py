@@ -23,9 +23,9 @@ from pathlib import Path
 
 import onnx
 
-from ..folder.reader import metadata_json
 from ..config import ModelConfig
 from ..errors import ExportError
+from ..folder.reader import metadata_json
 from ..names import ATTENTION_MASK, CONFIG_KEY, INPUT_IDS, KV_LAYOUT_KEY, LOGITS
 
 LAYOUT_VERSION = 1

@@ -43,8 +43,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto, numpy_helper
 
-from ..folder.atomic import staging
 from ..errors import ConfigError, ExportError
+from ..folder.atomic import staging
 from ..names import PRECISION_KEY
 
 # precision -> MatMulNBits bits and block size (the block must be a power of 2 >= 16: ORT's kernels)

@@ -9,7 +9,7 @@ The layout is told by the fused QKV weight: [3C, C] is ours, [C, 3C] is Conv1D (
 
 Where the weights are (`resolve_checkpoint`): a file, or a Hugging Face `save_pretrained` folder
 (`model.safetensors`, or shards listed in `model.safetensors.index.json`). A `config.json` in the folder,
-or beside a bare file, is read by hf.read_hf_config (not guessed from shapes). The folder is untrusted
+or beside a bare file, is read by gpt2.read_hf_config (not guessed from shapes). The folder is untrusted
 input: every file read from it (`_checkpoint_file`: the index, each shard it names, model.safetensors,
 config.json) is a plain name in it that resolves inside it, or inside its hub-cache repo folder.
 
@@ -26,16 +26,15 @@ from pathlib import Path
 
 import torch
 
-from ..folder.atomic import atomic_path, sha256_file
-from ..folder.reader import inside
 from ..config import ModelConfig, safe_name
 from ..errors import CheckpointError, ConfigError
-from .andrea import Andrea
+from ..folder.atomic import atomic_path, sha256_file
+from ..folder.reader import inside
 from ..names import CONFIG_KEY
 from ..progress import warn
+from .andrea import Andrea
+from .gpt2 import CONV1D, HF_IGNORED, read_hf_config
 
-CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
-HF_IGNORED = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # causal-mask buffers in old GPT-2 files
 GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # every GPT-2 size: head_dim 64
 
 
@@ -79,8 +78,6 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> Andr
         tensors.update(t)
     tied = True
     if hf_json is not None:
-        from .gpt2 import read_hf_config
-
         hf_cfg, tied = read_hf_config(hf_json, name=path.stem)  # refuses erf-GELU etc. even when config is given
         config = config or hf_cfg
     tensors = _to_project_layout(tensors, path, tied)

@@ -8,7 +8,7 @@ deterministic algorithms on a fixed number of threads (1 by default), and nothin
 same code, corpus, torch and recipe give bit-identical weights and perplexity on the same machine
 (another CPU may round differently; `train.json` records what made it).
 
-`demo_model()` caches the result in `artifacts.cache_dir("demo")`/<key> (ANDREA_EXPORT_CACHE/demo, else ~/.cache/andrea-export/demo), the
+`demo_model()` caches the result in `folder.atomic.cache_dir("demo")`/<key> (ANDREA_EXPORT_CACHE/demo, else ~/.cache/andrea-export/demo), the
 key a hash of this code, the corpus and the versions, so tests and the README's example train once.
 The main path (`andrea-export build`) never needs it.
 """
@@ -30,9 +30,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import text
-from ..folder.atomic import cache_dir, write_text_atomic
 from ..config import ANDREA_TINY, ModelConfig
+from ..folder.atomic import cache_dir, write_text_atomic
+from . import text
 
 FILES = {"tokenizer": "tokenizer.json", "checkpoint": "model.safetensors", "heldout": "heldout.txt",
          "log": "train.json", "plot": "loss.png"}
@@ -114,8 +114,8 @@ def train_demo(out: str | Path, recipe: Recipe = Recipe(), quiet: bool = False) 
 def train_model(stream: torch.Tensor, wins: np.ndarray, recipe: Recipe, quiet: bool = True):
     """Train the model from its seeded initialisation on random windows of the token `stream`; returns
     (model in eval mode, loss per step, held-out perplexity every recipe.eval_every steps)."""
-    from .checkpoint import random_init
     from ..progress import console
+    from .checkpoint import random_init
 
     cfg, T = recipe.config, recipe.config.n_positions
     losses, curve = [], []

@@ -1,4 +1,6 @@
-"""Hugging Face GPT-2, both ways: read a `config.json` into a ModelConfig (read, not guessed, and
+"""GPT-2's side of the model: its tensor names and Conv1D layout, and its `config.json` read into a
+ModelConfig (read, not guessed, and refused where it describes another function) or written from one.
+
 refused where it describes another function), and write a folder Optimum's `ORTModelForCausalLM` loads.
 
 Reading: every GPT2Config field that changes what the model computes is either mapped or checked.
@@ -12,22 +14,20 @@ ANDREA is GPT-2's computation with tanh-GELU and a tied head, so:
     (checked in checkpoint.py): ANDREA's output projection *is* the token embedding (spec), every graph,
     engine and the plugin's fused GEMMs are built that way, and an untied head would add a second
     vocab x width matrix (6.5 M parameters at full size) to a model defined without one.
-
-Writing (`write_hf_folder`): the KV-cache decoder graph as `model.onnx` (its I/O is Optimum's GPT-2 I/O:
-input_ids, attention_mask, past_key_values.{i}.key/value -> logits, present.{i}.key/value), a GPT-2
-`config.json` and `generation_config.json`. The graph has no `position_ids` input (positions come from the
-attention mask inside it), which Optimum accepts with a "legacy model" warning and which keeps
-left-padded batches right.
 """
+
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 from ..config import ModelConfig, safe_name
-from ..errors import CheckpointError, ExportError
+from ..errors import CheckpointError
 
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # [in, out] in GPT-2
+HF_IGNORED = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # causal-mask buffers in old GPT-2 files
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
@@ -99,42 +99,3 @@ def hf_config(cfg: ModelConfig, eos_token_id: int | None = None) -> dict:
         "eos_token_id": eos,
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,  # inference graph: no dropout
     }
-
-
-def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, quiet: bool = False) -> Path:
-    """`out/` with model.onnx (the KV-cache decoder graph), config.json and generation_config.json:
-    `optimum.onnxruntime.ORTModelForCausalLM.from_pretrained(out)` loads it and generates. Assembled in a
-    staging folder and moved in whole."""
-    from ..folder.atomic import staging
-    from ..graphs.kvcache import export_decoder_onnx
-
-    out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ExportError(f"{out} exists and is not an empty folder; choose another --hf-folder")
-    conf = hf_config(model.cfg, eos_token_id)
-    gen = {"bos_token_id": conf["bos_token_id"], "eos_token_id": conf["eos_token_id"],
-           "pad_token_id": conf["eos_token_id"], "do_sample": False, "max_length": model.cfg.n_positions}
-    with staging(out, marker_suffix=HF_CONFIG) as tmp:
-        export_decoder_onnx(model, tmp / "model.onnx", quiet=quiet)
-        (tmp / HF_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
-        (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
-    return out
-
-
-def to_transformers(model):
-    """transformers' GPT2LMHeadModel holding `model`'s weights (config from `hf_config`): the model a
-    Hugging Face user would export with Optimum. Our Linear weights are [out, in]; GPT-2's Conv1D is
-    [in, out]."""
-    from .checkpoint import CONV1D
-    from ..errors import require
-
-    transformers = require("transformers", "hf", "a Hugging Face GPT-2 of these weights")
-    conf = {k: v for k, v in hf_config(model.cfg).items() if k != "architectures"}
-    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**conf)).eval()
-    state = {f"transformer.{k}": (v.t() if k.endswith(CONV1D) else v).contiguous()
-             for k, v in model.state_dict().items()}  # fmt: skip
-    missing, unexpected = hf.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:  # the head is tied to wte
-        raise ExportError(f"GPT-2 layout mismatch: missing {missing}, unexpected {unexpected}")
-    hf.tie_weights()
-    return hf

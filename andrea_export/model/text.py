@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ..folder.atomic import write_text_atomic
 from ..errors import ConfigError, require
+from ..folder.atomic import write_text_atomic
 
 VOCAB_SIZE = 8449  # ANDREA's
 EOT = "<|endoftext|>"  # separates documents; id 0

@@ -31,8 +31,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from ..folder.atomic import write_text_atomic
 from ..errors import MissingDependency, PluginError
+from ..folder.atomic import write_text_atomic
 
 NVRTC_REQUIREMENT = "nvidia-cuda-nvrtc==13.0.88"
 TARGET_ARCHS: tuple[str, ...] = ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")

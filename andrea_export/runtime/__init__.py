@@ -20,11 +20,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..errors import InputError, installed
 from ..folder.reader import MANIFEST
-from ..errors import installed
 from ..graphs.layout import read_decoder_meta
 from ..names import DECODER_FILE, TOKENIZER_FILE
-from .base import InputError, Request, SerialSession, Session, Steps, check_ids
+from .base import Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt")
@@ -78,7 +78,8 @@ def _from_build(folder: Path, m: dict, backend: str) -> tuple[Path, Path | None]
     is still the one built (sha256): a changed file is refused, never run. ONNX Runtime reads its graph
     (in-place on the CPU where there is one) and the weights it points into, never the engine; TensorRT
     the standard graph (config, layout), the engine and its sidecar, and the weights (a stripped engine's refit)."""
-    from ..folder.reader import artifact, changed_artifacts, graph_weights
+    from ..folder.reader import artifact, changed_artifacts
+    from ..graphs.external_data import graph_weights
 
     have = m["artifacts"]
     if "decoder_onnx" not in have:

@@ -28,23 +28,16 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, ContextManager, TypeGuard, cast
+from typing import ContextManager, TypeGuard, cast
 
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import AndreaExportError
+from ..errors import InputError
 from ..graphs.layout import KVLayout
-
-if TYPE_CHECKING:
-    from .sampling import Sampling
+from .sampling import Sampling, next_token
 
 PAD_ID = 0  # what padded positions hold; masked out, so any valid id would do
-
-
-class InputError(AndreaExportError):
-    """Bad input to a runtime session (token ids, lengths, sampling settings, a build folder without the
-    graph a backend needs). Raised before anything runs."""
 
 
 def check_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
@@ -205,8 +198,6 @@ class Session(abc.ABC):
     # -- the loop ----------------------------------------------------------------------------------------
     def _check(self, r: Request, where: str | None = None) -> _Row:
         """The request checked (InputError naming `where`, if given), with its generator."""
-        from .sampling import Sampling
-
         try:
             cfg = self.cfg
             prompt = check_ids(r.prompt_ids, cfg.vocab_size, "prompt")
@@ -251,8 +242,6 @@ class Session(abc.ABC):
 
     def _loop(self, rows: list[_Row]) -> Iterator[list[tuple[int, np.ndarray] | None]]:
         """Per step, for every row: (token, the logits it was chosen from), or None once the row has stopped."""
-        from .sampling import next_token
-
         width = max(len(r.prompt) for r in rows)
         ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)
         mask = np.zeros((len(rows), width), dtype=np.int64)

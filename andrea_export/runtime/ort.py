@@ -5,7 +5,7 @@ asks ONNX Runtime to allocate the new `present.*` on the execution device: the c
 device between steps (host memory with the CPU provider, GPU memory with the CUDA provider). Only the
 token ids and the mask go in and the logits come out through host memory.
 
-With the in-place decoder (inplace_decoder.py, `layout.shared`) a call instead allocates one buffer per
+With the in-place decoder (graphs/inplace_decoder.py, `layout.shared`) a call instead allocates one buffer per
 layer and kind, as long as the call needs (prompt + new tokens), and binds it as both `past_key_values.*`
 and `present.*` of every step: the graph writes each new token's keys and values into it where they
 belong and nothing is copied. That graph pads rows on the right; `_InplaceSteps` converts the base's
@@ -39,7 +39,7 @@ def _providers(requested: list[str] | None, layout: KVLayout, source) -> list[st
 
     if layout.shared:
         if requested and list(requested) != ["CPUExecutionProvider"]:
-            from .base import InputError
+            from ..errors import InputError
 
             raise InputError(f"{source}: the in-place decoder runs on ONNX Runtime's CPU provider only (asked for "
                              f"{', '.join(requested)}); for CUDA load the build's decoder.onnx")

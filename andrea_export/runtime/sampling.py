@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from .base import InputError
+from ..errors import InputError
 
 STRATEGIES = ("greedy", "top-k", "top-p")
 

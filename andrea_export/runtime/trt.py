@@ -45,10 +45,10 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
-from ..errors import AndreaExportError, MissingDependency, require
+from ..errors import CudaError, InputError, MissingDependency, require
 from ..graphs.layout import KVLayout
 from ..names import ATTENTION_MASK, DECODE, INPUT_IDS, LOGITS, PREFILL
-from .base import InputError, SerialSession
+from .base import SerialSession
 
 
 def _tensorrt():
@@ -93,10 +93,6 @@ def _numpy_dtypes(trt) -> dict:
             D.INT32: np.dtype(np.int32), D.INT64: np.dtype(np.int64)}
 
 
-class CudaError(AndreaExportError):
-    """A CUDA runtime call failed."""
-
-
 def _ok(cudart, result, what: str):
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != cudart.cudaError_t.cudaSuccess:
@@ -105,18 +101,18 @@ def _ok(cudart, result, what: str):
 
 
 def _refit_if_stripped(trt, engine, engine_path: Path) -> None:
-    """A weight-stripped engine (its .plan.json says so) gets its weights from the ONNX beside it. The
-    build module (refit_stripped) is imported only then: a runtime loads without the build machinery."""
+    """A weight-stripped engine (its .plan.json says so) gets its weights from the ONNX beside it
+    (engine/refit.py, which imports nothing of the builder: a runtime loads without the build machinery)."""
     import json
 
-    side = Path(str(engine_path) + ".json")  # build.sidecar_path
+    from ..engine.refit import refit_stripped, sidecar_path
+
+    side = sidecar_path(engine_path)
     try:
         info = json.loads(side.read_text()) if side.is_file() else {}
     except ValueError as e:
         raise InputError(f"{side}: not valid JSON ({e})") from None
     if isinstance(info, dict) and info.get("weights_stripped"):
-        from ..engine.builder import refit_stripped
-
         refit_stripped(trt, engine, engine_path, info)
 
 

@@ -23,9 +23,10 @@ from ..graphs.layout import KVLayout, kv_layout, read_kv_layout
 from ..model.andrea import Andrea
 from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
 from ..runtime.base import Session, check_ids
+from .thresholds import TOLERANCES
 
-# fp32: an element fails only if BOTH its absolute and relative error exceed these (Polygraphy's rule).
-FP32_TOLERANCES = {"rtol": 1e-4, "atol": 1e-4}
+# fp32's by default: an element fails only if BOTH its absolute and relative error exceed them (Polygraphy's rule).
+FP32_TOLERANCES = TOLERANCES["fp32"]
 
 
 def _np_dtype(name: str):

@@ -24,7 +24,7 @@ from ..graphs.export import INPUT_NAME, OUTPUT_NAME
 from ..model.andrea import Andrea
 from ..progress import console, step, styled
 
-# Tolerances per precision live in precision.py (TOLERANCES, MIN_TOP1, MIN_TOP5, MAX_KL), with the measurements
+# Tolerances per precision live in thresholds.py (TOLERANCES, MIN_TOP1, MIN_TOP5, MAX_KL), with the measurements
 # behind them. An element of the logits fails only if BOTH its absolute and relative error exceed the
 # tolerances (Polygraphy's rule; relative error is taken against the reference).
 
@@ -62,7 +62,8 @@ def onnxrt_runner(onnx_path: str | Path, name: str | None = None):
     import onnxruntime as ort
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
-    from ..graphs.precision import WEIGHT_ONLY, emulate_in_fp32, graph_precision
+    from ..graphs.precision import emulate_in_fp32, graph_precision
+    from ..names import WEIGHT_ONLY
 
     ort.set_default_logger_severity(3)  # errors only: its constant-folding notes on fp16 graphs are noise
     providers = [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in ort.get_available_providers()]
@@ -128,8 +129,8 @@ class VerifyReport:
 
 
 def lm_thresholds(precision: str) -> dict:
-    """The next-token thresholds of `precision` (precision.py): max_kl, and min_top1 or (int4) min_top5."""
-    from ..graphs.precision import MAX_KL, MIN_TOP1, MIN_TOP5
+    """The next-token thresholds of `precision` (thresholds.py): max_kl, and min_top1 or (int4) min_top5."""
+    from .thresholds import MAX_KL, MIN_TOP1, MIN_TOP5
 
     floor = {"min_top1": MIN_TOP1[precision]} if precision in MIN_TOP1 else {"min_top5": MIN_TOP5[precision]}
     return {**floor, "max_kl": MAX_KL[precision]}
@@ -156,7 +157,7 @@ def lm_metrics(ref: np.ndarray, out: np.ndarray) -> dict:
 def greedy_agreement_of_runners(runners, prompt: np.ndarray, steps: int) -> dict:
     """Greedy-decode `steps` tokens from `prompt` with each Polygraphy runner of the standard graph (full
     recompute each step, no cache); report where the artifacts first leave the reference. (The KV-cache
-    decoder's counterpart, through a runtime Session, is runtime.agreement.greedy_agreement.)"""
+    decoder's counterpart, through a runtime Session, is agreement.greedy_agreement.)"""
     seqs = []
     for r in runners:
         ids = prompt.copy()
@@ -190,19 +191,19 @@ def verify(
     Args:
         model: the reference model.
         artifacts: name -> Polygraphy runner, or a path to an ONNX file (run with ONNX Runtime).
-        precision: selects the tolerances (precision.TOLERANCES, MIN_TOP1 / MIN_TOP5, MAX_KL).
+        precision: selects the tolerances (thresholds.TOLERANCES, MIN_TOP1 / MIN_TOP5, MAX_KL).
         shapes: (batch, seq) pairs; default `default_shapes(context)`.
         greedy_steps: greedy tokens decoded per artifact (0 to skip).
         skipped: artifacts that cannot run here, as {"artifact", "reason"} dicts, carried into the report.
         eval_windows: token windows of a real text ([n, T] int64, text.windows): the perplexity of every
-            artifact is then measured beside PyTorch's and must be within precision.MAX_PPL_REL of it.
+            artifact is then measured beside PyTorch's and must be within thresholds.MAX_PPL_REL of it.
             Without them the report says why none was computed.
         eval_text: what the windows are (sha256, tokens, ...), carried into the report.
     """
     from polygraphy.comparator import Comparator, SimpleCompareFunc
     from polygraphy.logger import G_LOGGER
 
-    from ..graphs.precision import MAX_PPL_REL, TOLERANCES
+    from .thresholds import MAX_PPL_REL, TOLERANCES
 
     cfg = model.cfg
     check_inputs(cfg, shapes, greedy_steps)
@@ -341,10 +342,10 @@ def print_summary(report: VerifyReport) -> None:
 def reference_model_for(onnx_path: str | Path, checkpoint: str | Path | None = None, config=None) -> Andrea:
     """The PyTorch model an ONNX file must match: the given checkpoint, or the seeded random init that the
     file's metadata records. Refuses to guess when the file came from a checkpoint that is not given."""
-    from ..folder.reader import metadata_json
-    from ..model.checkpoint import model_for
     from ..errors import ConfigError
+    from ..folder.reader import metadata_json
     from ..graphs.layout import check_onnx, config_of, metadata_of
+    from ..model.checkpoint import model_for
     from ..names import CONFIG_KEY, WEIGHTS_KEY
 
     proto = check_onnx(onnx_path)  # once: its metadata and its signature come from this one load

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from andrea_export import bench
-from andrea_export.bench.work import _inputs
 from andrea_export.bench import report as bench_report
+from andrea_export.bench.work import case_inputs
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 
 # ---------------------------------------------------------------- statistics
@@ -238,8 +238,8 @@ def test_quantized_backends_run_and_report_precision(run):
     fp32 exports; their rows say their precision and leave the fp32 floor out."""
     import onnx
 
-    from andrea_export.model.checkpoint import random_init
     from andrea_export.graphs.quantize import matmulnbits
+    from andrea_export.model.checkpoint import random_init
 
     cache = run[1] / "cache"
     doc = bench.run_benchmark(
@@ -273,8 +273,8 @@ def test_same_inputs_same_outputs(run):
     from andrea_export.model.checkpoint import random_init
 
     cfg = ANDREA_TINY
-    ids, mask, past = _inputs(cfg, "decode", 2, 1, 5, seed=0)
-    again = _inputs(cfg, "decode", 2, 1, 5, seed=0)
+    ids, mask, past = case_inputs(cfg, "decode", 2, 1, 5, seed=0)
+    again = case_inputs(cfg, "decode", 2, 1, 5, seed=0)
     assert np.array_equal(ids, again[0]) and all(np.array_equal(a, b) for a, b in zip(past, again[2]))
     assert ids.shape == (2, 1) and mask.shape == (2, 6) and past[0].shape == (2, cfg.n_head, 5, cfg.head_dim)
     ctx = bench.Context(random_init(cfg, seed=0, announce=False), 1, run[1] / "cache")  # the run's cached exports
@@ -301,7 +301,7 @@ def test_inplace_decode_step_is_the_standard_step(run):
     assert (inplace.name, inplace.cache, concat.name) == ("ort-cpu", "inplace", "ort-cpu-concat")
     inplace.setup(ctx), concat.setup(ctx)
     for batch, P in ((1, 1), (2, 15)):
-        ids, mask, past = _inputs(cfg, "decode", batch, 1, P, seed=1)
+        ids, mask, past = case_inputs(cfg, "decode", batch, 1, P, seed=1)
         want = concat.decode(ids, mask, past)().copy_outputs_to_cpu()  # logits, then present [B, H, P + 1, D] each
         step = inplace.decode(ids, mask, past)
         binding = step()

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from andrea_export import bench
-from andrea_export.bench.work import _inputs
 from andrea_export.bench import report
+from andrea_export.bench.work import case_inputs
 
 TINY = bench.Settings(warmup=1, warmup_s=0.0, min_repeats=3, max_repeats=3, budget_s=0.0)
 
@@ -51,19 +51,19 @@ def test_optimum_computes_what_ours_does(ctx, graph):
     it, in ORTModelForCausalLM: our logits on the same prefill and decode inputs, our greedy tokens."""
     ours, peer = _ready(bench.OrtBackend(), ctx), _ready(bench.OptimumBackend(graph=graph), ctx)
     assert peer.name == {"optimum": "optimum", "ours": "optimum-hf-folder"}[graph]
-    (ids,) = _inputs(ctx.cfg, "prefill", 2, 16, 0, seed=0)
+    (ids,) = case_inputs(ctx.cfg, "prefill", 2, 16, 0, seed=0)
     want = ours.prefill(ids)().copy_outputs_to_cpu()[0]
     got = peer.prefill(ids)().copy_outputs_to_cpu()[0]  # logits first, then the cache Optimum returns
     assert got.shape == want.shape == (2, 16, ctx.cfg.vocab_size)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
-    ids, mask, past = _inputs(ctx.cfg, "decode", 2, 1, 15, seed=0)
+    ids, mask, past = case_inputs(ctx.cfg, "decode", 2, 1, 15, seed=0)
     want = ours.decode(ids, mask, past)().copy_outputs_to_cpu()
     got = peer.decode(ids, mask, past)().copy_outputs_to_cpu()
     for w, g in zip(want, got):  # logits and every present key/value, in the same order
         np.testing.assert_allclose(g, w, atol=1e-4, rtol=1e-4)
 
-    prompt = _inputs(ctx.cfg, "generate", 2, 8, 0, seed=0)[0]
+    prompt = case_inputs(ctx.cfg, "generate", 2, 8, 0, seed=0)[0]
     tokens = ours.generate(prompt, 16)()
     assert len({t for row in tokens for t in row}) > 4  # the lively model's output varies
     assert peer.generate(prompt, 16)().tolist() == tokens
@@ -76,17 +76,17 @@ def test_genai_computes_what_ours_does(ctx):
     config = json.loads((ctx.inplace_decoder_onnx().parent / "genai_config.json").read_text())
     assert config["model"]["decoder"]["filename"] == "decoder.inplace.onnx"  # the in-place graph, as a build's
     assert config["search"]["past_present_share_buffer"] is True  # genai's one cache buffer, written in place
-    (ids,) = _inputs(ctx.cfg, "prefill", 2, 16, 0, seed=0)
+    (ids,) = case_inputs(ctx.cfg, "prefill", 2, 16, 0, seed=0)
     want = ours.prefill(ids)().copy_outputs_to_cpu()[0][:, -1]
     got = np.asarray(peer.prefill(ids)().get_logits()).reshape(want.shape)
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
 
-    prompt = _inputs(ctx.cfg, "generate", 2, 8, 0, seed=0)[0]
+    prompt = case_inputs(ctx.cfg, "generate", 2, 8, 0, seed=0)[0]
     tokens = ours.generate(prompt, 16)()
     assert peer.generate(prompt, 16)().tolist() == tokens
     assert peer.generate(prompt[:1], 16)().tolist() == tokens[:1]
     with pytest.raises(bench.Unavailable, match="no call for one step"):
-        peer.decode(*_inputs(ctx.cfg, "decode", 1, 1, 5, seed=0))
+        peer.decode(*case_inputs(ctx.cfg, "decode", 1, 1, 5, seed=0))
 
 
 def test_report_carries_each_peer_as_a_ratio_to_ours(run):

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from andrea_export import runtime
-from andrea_export.errors import ExportError
 from andrea_export.deploy.genai import GENAI_CONFIG, genai_config, write_genai_config
+from andrea_export.errors import ExportError
 
 og = pytest.importorskip("onnxruntime_genai", reason="onnxruntime-genai (the 'genai' extra)")
 

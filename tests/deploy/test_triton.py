@@ -23,9 +23,10 @@ from google.protobuf import text_format
 from onnx import TensorProto, helper
 
 from andrea_export.config import ANDREA_TINY
-from andrea_export.errors import MissingDependency
+from andrea_export.deploy.triton.common import parse_config
+from andrea_export.deploy.triton.stateless import write_triton_repo
+from andrea_export.errors import MissingDependency, PackageError
 from andrea_export.graphs.layout import check_onnx
-from andrea_export.deploy.triton.stateless import PackageError, parse_config, write_triton_repo
 
 pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
@@ -362,7 +363,7 @@ def test_changed_artifact_failed_build_and_bad_arguments(tmp_path, onnx_only):
 
 
 def test_a_failed_write_leaves_nothing_behind(tmp_path, onnx_only, monkeypatch):
-    import andrea_export.deploy.triton.stateless as triton
+    from andrea_export.deploy.triton import common
 
     build = make_build(tmp_path / "build", onnx_only)
 
@@ -370,7 +371,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, onnx_only, monkeypatch):
         dst.write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(triton, "_place", broken)
+    monkeypatch.setattr(common, "_place", broken)
     with pytest.raises(OSError, match="disk full"):
         write_triton_repo(build, tmp_path / "repo", kind="cpu")
     assert list((tmp_path / "repo").iterdir()) == []

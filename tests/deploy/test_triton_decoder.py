@@ -14,9 +14,10 @@ import pytest
 from click.testing import CliRunner
 
 from andrea_export import runtime
-from andrea_export.graphs.kvcache import check_decoder_onnx
-from andrea_export.deploy.triton.stateless import PackageError, parse_config
+from andrea_export.deploy.triton.common import parse_config
 from andrea_export.deploy.triton.stateful import write_triton_decoder
+from andrea_export.errors import PackageError
+from andrea_export.graphs.kvcache import check_decoder_onnx
 
 pb = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
@@ -122,12 +123,12 @@ def test_package_cli_writes_both_models(lively_build, tmp_path):
 def test_package_holds_the_build_lock_from_the_first_model_to_the_last(lively_build, tmp_path, monkeypatch):
     """A build replacing the folder between the two models would leave a repository that mixes two builds:
     when the decoder is written, the folder is still locked (a build's exclusive lock is refused)."""
-    from andrea_export.deploy.triton import stateful as triton_decoder
-    from andrea_export.folder.atomic import locked_folder
     from andrea_export.cli import main
+    from andrea_export.deploy import triton
     from andrea_export.errors import BuildError
+    from andrea_export.folder.atomic import locked_folder
 
-    real = triton_decoder.write_triton_decoder
+    real = triton.write_triton_decoder
     refused = []
 
     def write_decoder(build_dir, *args, **kwargs):
@@ -138,7 +139,7 @@ def test_package_holds_the_build_lock_from_the_first_model_to_the_last(lively_bu
             refused.append(str(e))
         return real(build_dir, *args, **kwargs)
 
-    monkeypatch.setattr(triton_decoder, "write_triton_decoder", write_decoder)
+    monkeypatch.setattr(triton, "write_triton_decoder", write_decoder)  # what package() calls
     result = CliRunner().invoke(main, ["package", str(lively_build), "--triton", str(tmp_path / "repo"), "--kind", "cpu"])
     assert result.exit_code == 0, result.output
     assert len(refused) == 1 and "in use by another andrea-export run" in refused[0], refused

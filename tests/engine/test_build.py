@@ -11,9 +11,12 @@ import onnx
 import pytest
 import torch
 
-from andrea_export.engine.builder import (Profile, Profiles, build_engine, check_engine_compat, layer_report_path,
-                                          parse_profiles, resolve_builder, sidecar_path, trt_module)
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
+from andrea_export.engine.builder import build_engine, layer_report_path
+from andrea_export.engine.builders import resolve_builder, trt_module
+from andrea_export.engine.compat import check_engine_compat
+from andrea_export.engine.profiles import Profile, Profiles, parse_profiles
+from andrea_export.engine.refit import sidecar_path
 from andrea_export.errors import BuildError, ConfigError, MissingDependency, gpu_compute_capability, installed
 from andrea_export.graphs.export import export_onnx
 from andrea_export.model.andrea import Andrea

@@ -12,7 +12,8 @@ import onnx
 import pytest
 from onnx import numpy_helper
 
-from andrea_export.engine.builder import STRIP_REFUSED_RTX, build_engine, refit_stripped
+from andrea_export.engine.builder import build_engine
+from andrea_export.engine.refit import STRIP_REFUSED_RTX, refit_stripped
 from andrea_export.errors import BuildError, ConfigError
 from andrea_export.graphs.external_data import share_weights
 

@@ -16,8 +16,8 @@ from onnx.external_data_helper import ExternalDataInfo, uses_external_data
 
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import BuildError, ExportError
-from andrea_export.graphs.layout import check_onnx
 from andrea_export.graphs.external_data import external_data_files, share_weights
+from andrea_export.graphs.layout import check_onnx
 
 GRAPHS = ("model.onnx", "model.plugin.onnx", "decoder.onnx")
 DATA = "weights.fp32.data"
@@ -26,8 +26,8 @@ DATA = "weights.fp32.data"
 @pytest.fixture(scope="module")
 def inline(tiny_model, tiny_onnx, tmp_path_factory):
     """The three graphs of the tiny model, each holding its own weights (as the exporters write them)."""
-    from andrea_export.graphs.kvcache import export_decoder_onnx
     from andrea_export.graphs.gelu_plugin import apply_gelu_plugin
+    from andrea_export.graphs.kvcache import export_decoder_onnx
 
     d = tmp_path_factory.mktemp("inline")
     shutil.copyfile(tiny_onnx, d / "model.onnx")

@@ -17,14 +17,13 @@ import pytest
 import torch
 import torch.nn as nn
 
-from andrea_export.engine.builder import network_flags
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
+from andrea_export.engine.builders import network_flags
 from andrea_export.errors import PluginError
 from andrea_export.graphs.export import export_onnx, op_counts
-from andrea_export.names import CONFIG_KEY
+from andrea_export.graphs.gelu_plugin import PLUGIN_KEY, apply_gelu_plugin
 from andrea_export.model.andrea import Andrea
-from andrea_export.graphs.gelu_plugin import apply_gelu_plugin
-from andrea_export.graphs.gelu_plugin import PLUGIN_KEY
+from andrea_export.names import CONFIG_KEY
 
 L = ANDREA_TINY.n_layer
 

@@ -15,8 +15,8 @@ import torch
 
 from andrea_export import runtime
 from andrea_export.errors import ExportError
-from andrea_export.graphs.layout import check_decoder_onnx, kv_layout
 from andrea_export.graphs.inplace_decoder import export_inplace_decoder
+from andrea_export.graphs.layout import check_decoder_onnx, kv_layout
 from andrea_export.names import KV_LAYOUT_KEY
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]  # ragged: the short row is padded
@@ -131,7 +131,7 @@ def test_steps_past_the_buffer_are_refused(session):
 def test_the_in_place_graph_runs_on_the_cpu_provider_only(inplace, lively_decoder):
     """A GroupQueryAttention node falling back from CUDA to the CPU would update a copy of the buffer."""
     from andrea_export.deploy.genai import genai_config
-    from andrea_export.runtime.base import InputError
+    from andrea_export.errors import InputError
 
     assert runtime.load(inplace, "onnxruntime").session.get_providers() == ["CPUExecutionProvider"]
     with pytest.raises(InputError, match="CPU provider only"):

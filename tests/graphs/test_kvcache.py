@@ -13,12 +13,11 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from andrea_export.engine.builder import network_flags
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
+from andrea_export.engine.builders import network_flags
 from andrea_export.errors import ExportError, installed
-from andrea_export.graphs.layout import read_config
-from andrea_export.graphs.layout import KVLayout, check_decoder_onnx, kv_layout, read_kv_layout
 from andrea_export.graphs.kvcache import export_decoder_onnx, optimization_profiles
+from andrea_export.graphs.layout import KVLayout, check_decoder_onnx, kv_layout, read_config, read_kv_layout
 from andrea_export.names import CONFIG_KEY, KV_LAYOUT_KEY
 from andrea_export.verify.agreement import verify_decoder
 

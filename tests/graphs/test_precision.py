@@ -1,5 +1,5 @@
 """fp16 / bf16 graphs: structure (LayerNorm and Softmax in float32, one tied embedding, float32 logits),
-accuracy against PyTorch float32 within precision.TOLERANCES, and real TensorRT-RTX builds of both."""
+accuracy against PyTorch float32 within verify.thresholds.TOLERANCES, and real TensorRT-RTX builds of both."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import torch
 from onnx import TensorProto
 
 from andrea_export.errors import ConfigError, ExportError
-from andrea_export.graphs.precision import MIN_TOP1, TOLERANCES, convert_precision, emulate_in_fp32, graph_precision
+from andrea_export.graphs.precision import convert_precision, emulate_in_fp32, graph_precision
+from andrea_export.verify.thresholds import MIN_TOP1, TOLERANCES
 
 HALF = {"fp16": TensorProto.FLOAT16, "bf16": TensorProto.BFLOAT16}
 
@@ -145,7 +146,8 @@ def test_weight_out_of_fp16_range(tiny_onnx, tmp_path):
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 def test_rtx_builds_half_precision(graphs, precision, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX not installed: pip install 'andrea-export[rtx]'")
-    from andrea_export.engine.builder import Profiles, build_engine
+    from andrea_export.engine.builder import build_engine
+    from andrea_export.engine.profiles import Profiles
 
     r = build_engine(graphs[precision], tmp_path / f"{precision}.plan", builder="tensorrt-rtx",
                      profiles=Profiles.parse("batch=1:1:2,seq=1:16:64"), progress=False)

@@ -12,9 +12,17 @@ from click.testing import CliRunner
 from andrea_export.cli import main
 from andrea_export.config import ANDREA_TINY, ModelConfig
 from andrea_export.errors import ConfigError, ExportError
-from andrea_export.graphs.precision import MAX_PPL_REL, PRECISIONS, WEIGHT_ONLY
-from andrea_export.graphs.quantize import (QUANT, TIED_HEAD, check_model_shape, matmulnbits, quantize_weights, to_qdq,
-                                           write_qdq)
+from andrea_export.graphs.quantize import (
+    QUANT,
+    TIED_HEAD,
+    check_model_shape,
+    matmulnbits,
+    quantize_weights,
+    to_qdq,
+    write_qdq,
+)
+from andrea_export.names import PRECISIONS, WEIGHT_ONLY
+from andrea_export.verify.thresholds import MAX_PPL_REL
 
 # andrea-tiny: per layer qkv (64 x 192), proj (64 x 64), fc (64 x 256), fc2 (256 x 64); the tied head 64 x 8449
 TINY_MATMULS = sorted([(64, 192), (64, 64), (64, 256), (256, 64)] * ANDREA_TINY.n_layer + [(64, ANDREA_TINY.vocab_size)])
@@ -169,7 +177,7 @@ def test_generate_runs_on_the_int4_decoder(quantized_build, lively_prompt):
 @pytest.mark.parametrize("precision", WEIGHT_ONLY)
 def test_turing_is_refused_for_weight_only(precision):
     """The int8/int4 engines multiply float32 activations, which TensorRT-RTX cannot do for Turing."""
-    from andrea_export.engine.builder import check_targets
+    from andrea_export.engine.compat import check_targets
 
     with pytest.raises(ConfigError, match="TensorRT-RTX builds no fp32 matrix multiplies for compute capability 7.5"):
         check_targets("tensorrt-rtx", ["7.5"], precision)

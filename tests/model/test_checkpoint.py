@@ -2,9 +2,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from andrea_export.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import CheckpointError
+from andrea_export.model.checkpoint import load_checkpoint, load_model, save_checkpoint
 
 
 def _gpt2_layout(model, prefix="transformer.", with_head=True):
@@ -45,8 +45,8 @@ def test_gpt2_layout_is_transposed_and_config_inferred(tiny_model, tmp_path, pre
 
 
 def test_gpt2_config_inferred_from_shapes(tmp_path):
-    from andrea_export.model.checkpoint import random_init
     from andrea_export.config import ModelConfig
+    from andrea_export.model.checkpoint import random_init
 
     cfg = ModelConfig(name="x", vocab_size=300, n_embd=768, n_layer=1, n_head=12, n_positions=32)
     model = random_init(cfg, announce=False)

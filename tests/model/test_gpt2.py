@@ -1,7 +1,7 @@
 """Hugging Face GPT-2 checkpoints as people have them (save_pretrained folders, sharded, a bare file
 with config.json beside it), checked against transformers' own GPT-2: our one reference that shares
 none of our model code. Every weight and bias, LayerNorms included, is non-zero and random, so a
-loader that drops or misplaces any one of them fails here. And back: Optimum loads `--hf-folder`."""
+loader that drops or misplaces any one of them fails here."""
 
 import json
 import shutil
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from andrea_export.model.checkpoint import checkpoint_sha256, load_checkpoint
 from andrea_export.errors import CheckpointError
+from andrea_export.model.checkpoint import checkpoint_sha256, load_checkpoint
 
 transformers = pytest.importorskip("transformers", reason="transformers (the 'hf' extra)")
 
@@ -234,32 +234,6 @@ def test_a_hub_cache_snapshot_loads_and_a_link_out_of_its_repo_is_refused(hf_mod
         load_checkpoint(bad)
 
 
-def test_optimum_generate_equals_our_greedy(lively_model, lively_decoder, lively_prompt, tmp_path):
-    """`export --hf-folder`: Optimum's ORTModelForCausalLM loads it; its greedy generate() equals ours."""
-    pytest.importorskip("optimum.onnxruntime", reason="optimum-onnx (the 'hf' extra)")
-    from click.testing import CliRunner
-    from optimum.onnxruntime import ORTModelForCausalLM
-
-    from andrea_export import runtime
-    from andrea_export.model.checkpoint import save_checkpoint
-    from andrea_export.cli import main
-
-    ckpt = save_checkpoint(lively_model, tmp_path / "lively.safetensors")
-    folder = tmp_path / "hf"
-    result = CliRunner().invoke(main, ["export", "--checkpoint", str(ckpt), "--hf-folder", str(folder)])
-    assert result.exit_code == 0, result.output
-    assert {p.name for p in folder.iterdir()} == {"model.onnx", "config.json", "generation_config.json"}
-    prompt = lively_prompt
-    with runtime.load(lively_decoder, "onnxruntime") as sess:
-        ours = sess.generate(prompt, 64)
-    assert len(set(ours)) > 10
-    model = ORTModelForCausalLM.from_pretrained(folder)
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
-                         do_sample=False)
-    assert out[0, len(prompt):].tolist() == ours
-
-
 def test_project_checkpoint_ignores_a_config_json_beside_it(tiny_model, hf_folder, tmp_path):
     from andrea_export.model.checkpoint import save_checkpoint
 
@@ -267,13 +241,3 @@ def test_project_checkpoint_ignores_a_config_json_beside_it(tiny_model, hf_folde
     before = checkpoint_sha256(path)
     shutil.copy(hf_folder / "config.json", tmp_path / "config.json")  # another model's config, 1000-token vocab
     assert load_checkpoint(path).cfg == tiny_model.cfg and checkpoint_sha256(path) == before
-
-
-def test_hf_folder_refuses_an_occupied_folder(tiny_model, tmp_path):
-    from andrea_export.errors import ExportError
-    from andrea_export.model.gpt2 import write_hf_folder
-
-    (tmp_path / "keep.txt").write_text("mine")
-    with pytest.raises(ExportError, match="not an empty folder"):
-        write_hf_folder(tiny_model, tmp_path, quiet=True)
-    assert [p.name for p in tmp_path.iterdir()] == ["keep.txt"]

@@ -4,9 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from andrea_export.model.checkpoint import random_init
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.model.andrea import Andrea
+from andrea_export.model.checkpoint import random_init
 
 
 def test_andrea_120m_has_92_331_264_parameters():

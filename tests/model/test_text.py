@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from andrea_export.model import demo, text
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import ConfigError
+from andrea_export.model import demo, text
 
 pytest.importorskip("tokenizers", reason="the 'text' extra (Hugging Face tokenizers) trains the tokenizer")
 

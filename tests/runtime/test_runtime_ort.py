@@ -15,9 +15,8 @@ import torch
 from andrea_export import runtime
 from andrea_export.errors import ExportError
 from andrea_export.runtime import InputError
-from andrea_export.verify.agreement import greedy_agreement
 from andrea_export.runtime.ort import OrtSession
-
+from andrea_export.verify.agreement import greedy_agreement
 
 
 @pytest.fixture(scope="module")
@@ -211,8 +210,9 @@ def test_load_refuses(build_dir, tiny_onnx, tmp_path):
 def test_verify_decoder_in_half_precision(lively_model, build_dir, tmp_path, precision):
     """The build's step-by-step decoder check on an fp16 / bf16 graph. ONNX Runtime's CPU provider has no
     bf16 kernels: a bf16 graph runs as its emulate_in_fp32 twin (every op rounded to bf16)."""
-    from andrea_export.graphs.precision import TOLERANCES, convert_precision
+    from andrea_export.graphs.precision import convert_precision
     from andrea_export.verify.agreement import verify_decoder
+    from andrea_export.verify.thresholds import TOLERANCES
 
     graph = convert_precision(build_dir / "decoder.onnx", tmp_path / f"decoder.{precision}.onnx", precision)
     report = verify_decoder(lively_model, graph, [[5, 6, 7, 8, 9], [300, 200]], steps=4, **TOLERANCES[precision])

@@ -40,7 +40,7 @@ def _build_engine(onnx_path, plan_path):
     """decoder.plan from a decoder graph with TensorRT: strongly typed (the graph's precision), both profiles."""
     import tensorrt as trt
 
-    from andrea_export.engine.builder import network_flags
+    from andrea_export.engine.builders import network_flags
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
@@ -109,8 +109,9 @@ def test_trt_half_precision_engine_decodes_like_pytorch(build_dir, lively_model,
     """An fp16/bf16 engine (2-byte cache elements), loaded as bench.py does (the .plan beside the fp32
     decoder.onnx), passes the build's engine check: every logit up to any divergence within the precision's
     tolerance of PyTorch. (ONNX Runtime's CPU provider has no bf16 kernels to compare with directly.)"""
-    from andrea_export.graphs.precision import TOLERANCES, convert_precision
+    from andrea_export.graphs.precision import convert_precision
     from andrea_export.verify.agreement import greedy_agreement
+    from andrea_export.verify.thresholds import TOLERANCES
 
     shutil.copy(build_dir / "decoder.onnx", tmp_path / "decoder.onnx")
     graph = convert_precision(tmp_path / "decoder.onnx", tmp_path / f"decoder.{precision}.onnx", precision)

@@ -17,14 +17,14 @@ import pytest
 from fake_cuda import DataType, FakeCudart, _Fault, cudaError_t, fake_tensorrt, write_plan
 
 from andrea_export import runtime
-from andrea_export.folder.atomic import sha256_file
 from andrea_export.config import ANDREA_TINY
-from andrea_export.graphs.layout import read_config
-from andrea_export.graphs.layout import read_kv_layout
+from andrea_export.errors import CudaError
+from andrea_export.folder.atomic import sha256_file
 from andrea_export.graphs.kvcache import optimization_profiles
-from andrea_export.graphs.precision import FLOAT_PRECISIONS, convert_precision, emulate_in_fp32
+from andrea_export.graphs.layout import read_config, read_kv_layout
+from andrea_export.graphs.precision import convert_precision, emulate_in_fp32
+from andrea_export.names import FLOAT_PRECISIONS
 from andrea_export.runtime.ort import OrtSession
-from andrea_export.runtime.trt import CudaError
 
 N = ANDREA_TINY.n_positions
 LENGTHS = [1, 64, N - 1, N]  # one token, a middle prompt, the longest that still decodes, the full context
@@ -387,16 +387,16 @@ def wrong_graphs(graphs, tmp_path_factory):
 @pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
 def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, graphs, wrong_graphs, lively_model,
                                                                       tmp_path, monkeypatch, precision):
-    """pipeline._verify on a GPU host: the decoder engine's greedy decoding through TrtSession gates the build's
+    """verify_folder on a GPU host: the decoder engine's greedy decoding through TrtSession gates the build's
     status in every precision. Here the engine runs on the fake device; the other checks are not the subject."""
-    from andrea_export import pipeline
     from andrea_export.verify import compare as verify_module
+    from andrea_export.verify import folder as verify_folder
 
     monkeypatch.setattr(verify_module, "verify", lambda model, runners, *, precision, skipped, **_: verify_module.VerifyReport(
         True, precision, {}, {}, [], [], skipped))
-    monkeypatch.setattr(pipeline, "_engine_runner", lambda plan, info: (object(), ""))
-    monkeypatch.setattr(pipeline, "_verify_decoder", lambda *a, **k: {"passed": True})
-    monkeypatch.setattr(pipeline, "_engine_blocker", lambda plan, info: None)  # as on a GPU host
+    monkeypatch.setattr(verify_folder, "engine_runner", lambda plan, info: (object(), ""))
+    monkeypatch.setattr(verify_folder, "decoder_checks", lambda *a, **k: {"passed": True})
+    monkeypatch.setattr(verify_folder, "engine_blocker", lambda plan, info: None)  # as on a GPU host
     artifacts = {"onnx": "model.onnx", "onnx_plugin": "model.plugin.onnx", "engine": "model.plan",
                  "decoder_onnx": graphs[precision].name, "decoder_engine": "decoder.plan",
                  "decoder_engine_info": "decoder.plan.json"}
@@ -406,12 +406,12 @@ def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gr
         folder.mkdir()
         shutil.copy(graphs[precision], folder / graphs[precision].name)
         write_plan(folder / "decoder.plan", engine_graph, optimization_profiles(read_kv_layout(engine_graph)))
-        plan = folder / "decoder.plan"  # a sidecar as the builder writes it (read, and checked, by _verify)
+        plan = folder / "decoder.plan"  # a sidecar as the builder writes it (read, and checked, by verify_folder)
         (folder / "decoder.plan.json").write_text(json.dumps({
             "builder": "tensorrt", "builder_version": "10.13.3", "plan_bytes": plan.stat().st_size,
             "plan_sha256": sha256_file(plan), "compute_capabilities": ["9.0"]}))
-        report = pipeline._verify(folder, lively_model, precision, artifacts, {}, None, 16)
-        got[name] = pipeline._status(report), report.decoder["engine_greedy"]["passed"]
+        report = verify_folder.verify_folder(folder, lively_model, precision, artifacts, {}, None, 16)
+        got[name] = verify_folder.build_status(report), report.decoder["engine_greedy"]["passed"]
     assert got == {"right": ("passed", True), "wrong": ("failed", False)}
     _closed_clean(device)
 

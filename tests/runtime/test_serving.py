@@ -17,6 +17,7 @@ import andrea_export
 from andrea_export import runtime
 from andrea_export.runtime import Request
 
+
 @pytest.fixture(scope="module", params=["standard", "in-place"])
 def session(request, build_dir, lively_model, tmp_path_factory):
     """Both decoders ONNX Runtime runs: the standard one, and the in-place one a build gives the CPU."""

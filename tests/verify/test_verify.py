@@ -5,10 +5,10 @@ import onnx
 import pytest
 import torch
 
-from andrea_export.model.checkpoint import random_init, save_checkpoint
 from andrea_export.config import ANDREA_TINY
 from andrea_export.errors import CheckpointError
-from andrea_export.graphs.precision import PRECISIONS
+from andrea_export.model.checkpoint import random_init, save_checkpoint
+from andrea_export.names import PRECISIONS
 from andrea_export.verify.compare import lm_metrics, lm_passed, lm_thresholds, reference_model_for, verify
 
 
@@ -64,8 +64,8 @@ def test_reference_from_metadata_and_checkpoint(tiny_model, tiny_onnx, tmp_path)
     assert torch.equal(again.wte.weight, tiny_model.wte.weight)
     ckpt = save_checkpoint(random_init(ANDREA_TINY, seed=5, announce=False), tmp_path / "w.safetensors")
     with pytest.raises(CheckpointError, match="was made from a checkpoint with sha256 .*, not from .*other.safetensors"):
-        from andrea_export.model.checkpoint import load_checkpoint
         from andrea_export.graphs.export import export_onnx
+        from andrea_export.model.checkpoint import load_checkpoint
 
         exported = export_onnx(load_checkpoint(ckpt), tmp_path / "from-ckpt.onnx", quiet=True)
         other = save_checkpoint(random_init(ANDREA_TINY, seed=6, announce=False), tmp_path / "other.safetensors")
@@ -95,8 +95,8 @@ def test_perplexity_on_text_beside_pytorch_and_its_bound(lively_model, demo_dir)
     import copy
 
     from andrea_export.model import text
-    from andrea_export.graphs.precision import MAX_PPL_REL
     from andrea_export.verify.compare import TorchRunner
+    from andrea_export.verify.thresholds import MAX_PPL_REL
 
     tok = text.load_tokenizer(demo_dir / "tokenizer.json")
     wins = text.windows(text.encode(tok, (demo_dir / "heldout.txt").read_text()), 128)[:8]

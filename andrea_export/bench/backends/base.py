@@ -53,7 +53,7 @@ class Context:
         return self.cached(DECODER_FILE, lambda p: export_decoder_onnx(self.model, p, quiet=self.quiet))
 
     def inplace_decoder_onnx(self) -> Path:
-        """The in-place KV-cache decoder (inplace_decoder.py), beside decoder.onnx under the name a build
+        """The in-place KV-cache decoder (graphs/inplace_decoder.py), beside decoder.onnx under the name a build
         gives it: what ONNX Runtime's CPU provider and onnxruntime-genai run."""
         try:
             from ...graphs.inplace_decoder import export_inplace_decoder
@@ -62,7 +62,7 @@ class Context:
         return self.cached(INPLACE_DECODER_FILE, lambda p: export_inplace_decoder(self.model, p, quiet=self.quiet))
 
     def quantized(self, fp32: Path, precision: str) -> Path:
-        """The weight-only `precision` ("int8" / "int4") graph of the fp32 export `fp32` (quantize.py),
+        """The weight-only `precision` ("int8" / "int4") graph of the fp32 export `fp32` (graphs/quantize.py),
         cached beside it as <stem>.<precision>.onnx."""
         from ...graphs.quantize import quantize_weights
 

@@ -1,6 +1,6 @@
 """The peer that runs our build folder as it is: onnxruntime-genai (`og.Model(folder)`), reading the
-`genai_config.json` the build writes (`andrea_export/genai.py`), which points genai at the in-place
-decoder `decoder.inplace.onnx` (inplace_decoder.py; `past_present_share_buffer` set from its layout:
+`genai_config.json` the build writes (`andrea_export/deploy/genai.py`), which points genai at the in-place
+decoder `decoder.inplace.onnx` (graphs/inplace_decoder.py; `past_present_share_buffer` set from its layout:
 genai allocates the cache once and the graph writes it in place), with the session's threads overlaid so
 that they match ours (genai_config.json has no key for ORT's spin-waiting; genai's own choice stands, and
 the report says so). The prompts of a batch are of equal length: no padding (that graph pads on the

@@ -1,5 +1,5 @@
 """The peer a Hugging Face user runs instead of our graph: transformers' GPT-2 holding the same weights
-(`hf.to_transformers`), exported by Optimum's own exporter (what `optimum-cli export onnx --task
+(`deploy.optimum.to_transformers`), exported by Optimum's own exporter (what `optimum-cli export onnx --task
 text-generation-with-past` does), run by Optimum's `ORTModelForCausalLM` in ONNX Runtime with the same
 session options as ours (`ort.session_options`).
 
@@ -28,8 +28,8 @@ def export_with_optimum(model, out: str | Path) -> Path:
     """`out/` with Optimum's ONNX export of `model` (through transformers' GPT-2), model.onnx last."""
     from optimum.exporters.onnx import main_export
 
+    from ...deploy.optimum import to_transformers
     from ...folder.atomic import staging
-    from ...model.gpt2 import to_transformers
 
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="andrea-hf-") as hf_dir, staging(out, marker_suffix=".onnx") as tmp:
@@ -83,7 +83,7 @@ class OptimumBackend(OrtBackend):
                 onnx = self.ctx.cached(f"optimum-{_versions()}/model.onnx",
                                        lambda p: export_with_optimum(self.ctx.model, p.parent))  # fmt: skip
             else:
-                from ...model.gpt2 import write_hf_folder
+                from ...deploy.optimum import write_hf_folder
 
                 onnx = self.ctx.cached("hf-folder/model.onnx",
                                        lambda p: write_hf_folder(self.ctx.model, p.parent, quiet=True))  # fmt: skip

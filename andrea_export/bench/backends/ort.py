@@ -28,9 +28,9 @@ def session_options(threads: int, spin: bool = True):
 
 PRECISIONS = {  # the weights a backend's graphs hold -> what the report says about them
     "fp32": "fp32",
-    "int8": "int8 weight-only (quantize.py: MatMulNBits, blocks of 64, accuracy_level 4: int8 x int8 products; "
+    "int8": "int8 weight-only (graphs/quantize.py: MatMulNBits, blocks of 64, accuracy_level 4: int8 x int8 products; "
             "embedding gather table fp32)",
-    "int4": "int4 weight-only (quantize.py: MatMulNBits, blocks of 32, accuracy_level 4: int8 x int8 products; "
+    "int4": "int4 weight-only (graphs/quantize.py: MatMulNBits, blocks of 32, accuracy_level 4: int8 x int8 products; "
             "embedding gather table fp32)",
 }
 
@@ -45,7 +45,7 @@ class OrtBackend(Backend):
     """ONNX Runtime with IO binding: CPU EP (intra_op_num_threads = threads, inter_op 1, sequential) or CUDA EP.
 
     `cache`: the KV-cache decoder that decode and generate run, as a user gets it (`runtime.load`):
-    "inplace" (inplace_decoder.py) on the CPU provider, "concat" (kvcache.py) on the CUDA provider, whose
+    "inplace" (graphs/inplace_decoder.py) on the CPU provider, "concat" (graphs/kvcache.py) on the CUDA provider, whose
     GroupQueryAttention has no float32 kernels. `ort-cpu-concat` is the CPU provider on the standard graphs,
     so that a run shows what the in-place decoder gains. Prefill: the in-place backends run the prompt
     through the in-place decoder, writing its cache (what `runtime` does with a prompt, and what the
@@ -215,8 +215,8 @@ class OrtBackend(Backend):
         """andrea_export.runtime's OrtSession wrapped around our session (same file, same options): on the
         in-place graph it steps over one preallocated buffer per layer and kind, as a user's call does."""
         if not hasattr(self, "_rs"):
-            from ...graphs.layout import kv_layout
             from ...graphs.inplace_decoder import inplace_layout
+            from ...graphs.layout import kv_layout
             from ...runtime.ort import OrtSession
 
             layout = inplace_layout(kv_layout(self.ctx.cfg)) if self.inplace else kv_layout(self.ctx.cfg)

@@ -43,14 +43,28 @@ from pathlib import Path
 
 from ... import __version__
 from ...config import check_name
-from .stateless import (MANIFEST, PLATFORM, TRITON_NAME, PackageError, _artifact_file, _builder, _check_status,
-                        _choose_backend, _onnx_io, _parameters, _reading_build, _triton_type, _write_model_dir,
-                        config_text, model_config_pb2)
+from ...errors import PackageError
+from ...folder.reader import MANIFEST
+from .common import (
+    PLATFORM,
+    TRITON_NAME,
+    artifact_file,
+    builder_of,
+    check_status,
+    choose_backend,
+    config_text,
+    model_config_pb2,
+    onnx_io,
+    parameters,
+    reading_build,
+    triton_type,
+    write_model_dir,
+)
 
 DEFAULT_IDLE_US = 60_000_000  # a sequence idle for a minute is ended and its cache slot freed
 
 
-@_reading_build
+@reading_build
 def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None,
                          backend: str = "auto", instances: int = 1, kind: str = "gpu",
                          max_sequence_idle_us: int = DEFAULT_IDLE_US, overwrite: bool = False,
@@ -72,19 +86,19 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
     pb = model_config_pb2()
     if "decoder_onnx" not in manifest["artifacts"]:
         raise PackageError(f"{build_dir}: the build has no KV-cache decoder (built with --no-decoder); rebuild with it")
-    _check_status(build_dir, manifest, allow_failed, "its decoder")
-    backend = _choose_backend(build_dir, manifest, backend, kind, engine="decoder_engine", graph="decoder_onnx")
+    check_status(build_dir, manifest, allow_failed, "its decoder")
+    backend = choose_backend(build_dir, manifest, backend, kind, engine="decoder_engine", graph="decoder_onnx")
     role = "decoder_engine" if backend == "tensorrt" else "decoder_onnx"
 
-    graph = _artifact_file(build_dir, manifest, "decoder_onnx")
-    artifact = _artifact_file(build_dir, manifest, role) if backend == "tensorrt" else graph
+    graph = artifact_file(build_dir, manifest, "decoder_onnx")
+    artifact = artifact_file(build_dir, manifest, role) if backend == "tensorrt" else graph
     profiles = _engine_profiles(build_dir, manifest) if backend == "tensorrt" else []
     cfg = decoder_config(pb, graph, name or _default_name(manifest, backend), backend, instances, kind,
                          max_sequence_idle_us, profiles)
-    for k, v in _parameters(manifest, role, backend).items():
+    for k, v in parameters(manifest, role, backend).items():
         cfg.parameters[k].string_value = v
     text = "".join(f"# {line}\n" for line in _header(build_dir, manifest, backend, profiles)) + "\n" + config_text(cfg)
-    return _write_model_dir(repo_dir, cfg.name, text, artifact, backend, build_dir / MANIFEST, manifest,
+    return write_model_dir(repo_dir, cfg.name, text, artifact, backend, build_dir / MANIFEST, manifest,
                             overwrite=overwrite, hardlink=hardlink)
 
 
@@ -95,15 +109,15 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
 
     check_name(name, TRITON_NAME, PackageError)
     layout = check_decoder_onnx(graph)  # the graph's I/O is the recorded layout: names, order, ranks
-    inputs, outputs = _onnx_io(graph)
+    inputs, outputs = onnx_io(graph)
     cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=1)
     plain_in = [t.name for t in layout.inputs if t.name not in layout.past_names]  # input_ids, attention_mask
     for n in plain_in:
         dtype, dims = inputs[n]
-        cfg.input.add(name=n, data_type=pb.DataType.Value(_triton_type(graph, n, dtype)), dims=dims[1:])
+        cfg.input.add(name=n, data_type=pb.DataType.Value(triton_type(graph, n, dtype)), dims=dims[1:])
     logits = layout.outputs[0].name
     dtype, dims = outputs[logits]
-    cfg.output.add(name=logits, data_type=pb.DataType.Value(_triton_type(graph, logits, dtype)), dims=dims[1:])
+    cfg.output.add(name=logits, data_type=pb.DataType.Value(triton_type(graph, logits, dtype)), dims=dims[1:])
 
     seq = cfg.sequence_batching
     seq.max_sequence_idle_microseconds = max_sequence_idle_us
@@ -111,7 +125,7 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
         dtype, dims = inputs[past]
         if outputs[present][0] != dtype:
             raise PackageError(f"{graph}: '{present}' and '{past}' differ in type; a state must keep its type")
-        ttype = pb.DataType.Value(_triton_type(graph, past, dtype))
+        ttype = pb.DataType.Value(triton_type(graph, past, dtype))
         state = seq.state.add(input_name=past, output_name=present, data_type=ttype, dims=dims[1:])
         state.initial_state.add(data_type=ttype, dims=[1 if d == -1 else d for d in dims[1:]], zero_data=True,
                                 name=f"one masked zero slot for {past}")
@@ -125,7 +139,7 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
 def _engine_profiles(build_dir: Path, manifest: dict) -> list:
     from ...folder.reader import read_engine_info
 
-    info = _artifact_file(build_dir, manifest, "decoder_engine_info") if "decoder_engine_info" in manifest["artifacts"] else None
+    info = artifact_file(build_dir, manifest, "decoder_engine_info") if "decoder_engine_info" in manifest["artifacts"] else None
     if info is None:
         raise PackageError(f"{build_dir}: the decoder engine's sidecar (decoder_engine_info) with its profiles is missing")
     profiles = read_engine_info(info, PackageError).get("profiles") or []
@@ -155,7 +169,7 @@ def _header(build_dir: Path, manifest: dict, backend: str, profiles: list) -> li
         "[0] + a 1 per real token so far, past and new. max_batch_size 1: one sequence per instance execution.",
     ]
     if backend == "tensorrt":
-        name, version = _builder(manifest)
+        name, version = builder_of(manifest)
         lines.append(f"TensorRT plan built by {name} {version}; the Triton release must ship that TensorRT.")
         for i, p in enumerate(profiles):
             shapes = "; ".join(f"{k} min {v['min']} max {v['max']}" for k, v in p["shapes"].items()

@@ -31,7 +31,7 @@ Decisions, and why:
 - The tanh-GELU plugin of a plugin engine is an ahead-of-time (AOT) plugin: its kernel is embedded in
   the plan, so Triton needs no plugin library (`--backend-config=tensorrt,plugins=...`) and no
   LD_PRELOAD. This is written in the config's header and in its `parameters`.
-- The KV-cache decoder (`decoder_onnx`) is a model of its own, stateful: triton_decoder.py.
+- The KV-cache decoder (`decoder_onnx`) is a model of its own, stateful: stateful.py.
 - Writing is atomic: the model folder is assembled under a temporary name (beside the repository when
   the file system allows, so a polling Triton never sees it half-made) and renamed into place. Files
   are hard-linked from the build when possible (the build's files are only ever replaced, never
@@ -43,93 +43,37 @@ Decisions, and why:
 
 from __future__ import annotations
 
-import functools
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import onnx
-from onnx import TensorProto
-
 from ... import __version__
-from ...folder.atomic import locked_folder, sha256_file, swap_folders
-from ...folder.reader import MANIFEST, graph_weights
-from ...folder.reader import read_manifest as _read_manifest
 from ...config import check_name
-from ...errors import AndreaExportError, require
+from ...errors import PackageError
+from ...folder.reader import MANIFEST
 from ...progress import warn
+from .common import (
+    PLATFORM,
+    TRITON_NAME,
+    artifact_file,
+    builder_of,
+    check_status,
+    choose_backend,
+    config_text,
+    model_config_pb2,
+    onnx_io,
+    parameters,
+    plugin_line,
+    reading_build,
+    triton_type,
+    write_model_dir,
+)
 
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 KINDS = ("gpu", "cpu")
-VERSION_DIR = "1"
-PROVENANCE = "andrea-build.json"  # copy of the build's manifest inside the model folder
 DEFAULT_ONNX_MAX_BATCH = 8  # ONNX Runtime has no profile limit; used when the manifest has no profiles
-PLATFORM = {"tensorrt": "tensorrt_plan", "onnxruntime": "onnxruntime_onnx"}
 ROLE = {"tensorrt": "engine", "onnxruntime": "onnx"}
 
-# ONNX tensor type -> Triton DataType enum name (model_config.proto)
-_TRITON_TYPE: dict[int, str] = {
-    TensorProto.BOOL: "TYPE_BOOL",
-    TensorProto.UINT8: "TYPE_UINT8",
-    TensorProto.INT8: "TYPE_INT8",
-    TensorProto.INT32: "TYPE_INT32",
-    TensorProto.INT64: "TYPE_INT64",
-    TensorProto.FLOAT16: "TYPE_FP16",
-    TensorProto.BFLOAT16: "TYPE_BF16",
-    TensorProto.FLOAT: "TYPE_FP32",
-    TensorProto.DOUBLE: "TYPE_FP64",
-}
 
-
-TRITON_NAME = "a Triton model name"
-
-
-class PackageError(AndreaExportError):
-    """A build folder cannot be packaged as asked; the message says why and what to do."""
-
-
-def model_config_pb2():
-    """Triton's model configuration protobuf module (from tritonclient[grpc])."""
-    return require("tritonclient.grpc.model_config_pb2", "triton", "Writing a Triton model configuration")
-
-
-def _reading_build(fn):
-    """Hold a shared lock on the build folder while it is read, so that no build replaces it meanwhile, and
-    read its manifest once under it: `fn` gets it as `manifest`. A caller that holds the lock and has read
-    the manifest (package) passes it and takes no second lock."""
-
-    @functools.wraps(fn)
-    def wrapper(build_dir, *args, manifest: dict | None = None, **kwargs):
-        if manifest is not None:
-            return fn(build_dir, *args, manifest=manifest, **kwargs)
-        with locked_folder(build_dir, shared=True):
-            return fn(build_dir, *args, manifest=read_manifest(build_dir), **kwargs)
-
-    return wrapper
-
-
-def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, backend: str = "auto",
-            instances: int = 1, kind: str = "gpu", overwrite: bool = False, allow_failed: bool = False,
-            hardlink: bool = True, **options) -> list[Path]:
-    """Every model of a build: the stateless one (write_triton_repo, which also takes `options`) and, when the
-    build has the KV-cache decoder, the stateful one (`<name>-decoder`; triton_decoder.write_triton_decoder).
-    One shared lock and one read of the manifest for both, so they always come from the same build.
-    Returns the model folders."""
-    from .stateful import write_triton_decoder
-
-    common = dict(backend=backend, instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
-                  hardlink=hardlink)
-    with locked_folder(build_dir, shared=True):
-        manifest = read_manifest(build_dir)
-        models = [write_triton_repo(build_dir, repo_dir, name=name, manifest=manifest, **common, **options)]
-        if "decoder_onnx" in manifest["artifacts"]:
-            models.append(write_triton_decoder(build_dir, repo_dir, name=f"{name}-decoder" if name else None,
-                                               manifest=manifest, **common))
-    return models
-
-
-@_reading_build
+@reading_build
 def write_triton_repo(
     build_dir: str | Path,
     repo_dir: str | Path,
@@ -186,14 +130,14 @@ def write_triton_repo(
         raise PackageError(f"max_queue_delay_us must be >= 0, got {max_queue_delay_us}")
 
     pb = model_config_pb2()  # first: a missing dependency is said before any work
-    status = _check_status(build_dir, manifest, allow_failed, "it for serving")
-    backend = _choose_backend(build_dir, manifest, backend, kind)
+    status = check_status(build_dir, manifest, allow_failed, "it for serving")
+    backend = choose_backend(build_dir, manifest, backend, kind)
     if status != "passed" and not (status == "engine-unverified" and backend == "onnxruntime"):
         warn(f"{build_dir}: packaging a build whose verification status is '{status}'")
     role = ROLE[backend]
-    artifact = _artifact_file(build_dir, manifest, role)
+    artifact = artifact_file(build_dir, manifest, role)
     io_onnx = artifact if backend == "onnxruntime" else _io_onnx(build_dir, manifest)
-    inputs, outputs = _onnx_io(io_onnx)
+    inputs, outputs = onnx_io(io_onnx)
     _check_vocab(io_onnx, outputs, manifest)
 
     profiles = manifest.get("profiles") or []
@@ -228,9 +172,9 @@ def write_triton_repo(
     cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=max_batch_size)
     batch_dims = 1 if max_batch_size > 0 else 0
     for n, (dtype, dims) in inputs.items():
-        cfg.input.add(name=n, data_type=pb.DataType.Value(_triton_type(io_onnx, n, dtype)), dims=dims[batch_dims:])
+        cfg.input.add(name=n, data_type=pb.DataType.Value(triton_type(io_onnx, n, dtype)), dims=dims[batch_dims:])
     for n, (dtype, dims) in outputs.items():
-        cfg.output.add(name=n, data_type=pb.DataType.Value(_triton_type(io_onnx, n, dtype)), dims=dims[batch_dims:])
+        cfg.output.add(name=n, data_type=pb.DataType.Value(triton_type(io_onnx, n, dtype)), dims=dims[batch_dims:])
     if dynamic_batching and max_batch_size > 0:
         cfg.dynamic_batching.SetInParent()
         cfg.dynamic_batching.preferred_batch_size.extend(preferred_batch_sizes or [])
@@ -240,124 +184,29 @@ def write_triton_repo(
     )
     if backend == "tensorrt" and len(profiles) > 1:
         group.profile.extend(str(i) for i in range(len(profiles)))
-    params = _parameters(manifest, role, backend)
+    params = parameters(manifest, role, backend)
     for k, v in params.items():
         cfg.parameters[k].string_value = v
 
     header = _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size)
     text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "\n" + config_text(cfg)
-    return _write_model_dir(
+    return write_model_dir(
         repo_dir, name, text, artifact, backend, build_dir / MANIFEST, manifest, overwrite=overwrite, hardlink=hardlink
     )
 
 
-def config_text(cfg) -> str:
-    """A ModelConfig message as config.pbtxt text (protobuf text format)."""
-    from google.protobuf import text_format
-
-    return text_format.MessageToString(cfg)
-
-
-def parse_config(text: str):
-    """config.pbtxt text -> Triton's ModelConfig message (raises on anything Triton would not parse)."""
-    from google.protobuf import text_format
-
-    return text_format.Parse(text, model_config_pb2().ModelConfig())
-
-
 # --------------------------------------------------------------------------------------------- manifest
-
-
-def read_manifest(build_dir: str | Path) -> dict:
-    """The build folder's manifest.json, validated (buildfolder.read_manifest) for what packaging needs."""
-    return _read_manifest(build_dir, full=False, error=PackageError)
-
-
-def _check_status(build_dir: Path, manifest: dict, allow_failed: bool, what: str) -> str:
-    """The build's verification status; a failed build is refused unless `allow_failed`."""
-    status = manifest.get("status", "unverified")
-    if status == "failed" and not allow_failed:
-        raise PackageError(
-            f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to package "
-            f"{what}. Fix the build, or pass allow_failed=True (--allow-failed) to package it anyway"
-        )
-    return status
-
-
-def _choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str, engine: str = "engine",
-                    graph: str = "onnx") -> str:
-    """The backend that serves artifact `engine` (TensorRT) or `graph` (ONNX Runtime): `backend` checked,
-    or auto's choice (the engine when it is a TensorRT plan, not weight-stripped, and kind is gpu)."""
-    artifacts = manifest["artifacts"]
-    have = ", ".join(sorted(artifacts)) or "none"
-    what = engine.replace("_", " ")  # "engine", "decoder engine"
-    roles = {"tensorrt": engine, "onnxruntime": graph}
-    rtx_engine = engine in artifacts and _builder(manifest)[0] == "tensorrt-rtx"
-    stripped = engine in artifacts and bool((manifest.get("builder") or {}).get("weights_stripped"))
-    if backend == "auto":
-        if engine in artifacts and not rtx_engine and not stripped and kind == "gpu":
-            return "tensorrt"
-        if graph in artifacts:
-            return "onnxruntime"
-    elif backend == "tensorrt" and stripped:
-        raise PackageError(
-            f"{build_dir}: the {what} is weight-stripped (--strip-weights), and Triton's TensorRT backend does not "
-            "refit engines at load; rebuild without --strip-weights to serve it, or serve the ONNX (--backend onnxruntime)"
-        )
-    elif backend == "tensorrt" and kind == "cpu":
-        raise PackageError("a TensorRT engine runs on GPUs only: use kind='gpu' (--kind gpu) or backend='onnxruntime'")
-    elif backend == "tensorrt" and rtx_engine:
-        raise PackageError(
-            f"{build_dir}: the {what} was built by TensorRT-RTX, which Triton's TensorRT backend (libnvinfer) "
-            "cannot load; serve the ONNX file with backend='onnxruntime' (--backend onnxruntime) instead"
-        )
-    elif roles[backend] in artifacts:
-        return backend
-    if graph == "onnx" and "decoder_onnx" in artifacts:
-        raise PackageError(
-            f"{build_dir}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; package it "
-            "as a stateful model with andrea_export.deploy.triton.write_triton_decoder, or package a build "
-            "with the full-sequence 'onnx' or 'engine' artifact"
-        )
-    if backend == "auto":
-        why = (" (the engine is a TensorRT-RTX plan, which Triton's TensorRT backend cannot load)" if rtx_engine
-               else " (an engine cannot serve kind 'cpu')" if engine in artifacts else "")
-        raise PackageError(
-            f"{build_dir / MANIFEST}: no artifact Triton can serve here: needs '{engine}' (TensorRT, GPU) or "
-            f"'{graph}' (ONNX Runtime); artifacts: {have}{why}"
-        )
-    raise PackageError(f"{build_dir / MANIFEST}: no '{roles[backend]}' artifact, which backend '{backend}' needs; artifacts: {have}")
-
-
-def _artifact_file(build_dir: Path, manifest: dict, role: str) -> Path:
-    """The artifact's file, after checking it exists and matches the manifest's sha256 and size."""
-    entry = manifest["artifacts"][role]  # validated: a path inside the folder, a sha256, a size
-    path = build_dir / entry["path"]
-    if not path.is_file():
-        raise PackageError(f"{build_dir / MANIFEST}: artifact '{role}' is missing: {path}")
-    if path.stat().st_size != entry["bytes"]:
-        raise PackageError(
-            f"{path}: {path.stat().st_size} bytes, but the manifest records {entry['bytes']}: the file changed after the build"
-        )
-    if sha256_file(path) != entry["sha256"]:
-        raise PackageError(f"{path}: sha256 differs from the manifest's: the file changed after the build")
-    return path
 
 
 def _io_onnx(build_dir: Path, manifest: dict) -> Path:
     """The ONNX file that tells an engine's I/O names and types (the engine keeps the ONNX's I/O)."""
     for role in ("onnx", "onnx_plugin"):
         if role in manifest["artifacts"]:
-            return _artifact_file(build_dir, manifest, role)
+            return artifact_file(build_dir, manifest, role)
     raise PackageError(
         f"{build_dir / MANIFEST}: the engine's input/output types are read from the build's ONNX file, "
         "but it lists neither 'onnx' nor 'onnx_plugin'"
     )
-
-
-def _builder(manifest: dict) -> tuple[str, str]:
-    b = manifest.get("builder") or {}
-    return str(b.get("name", "tensorrt")), str(b.get("version", "unknown"))
 
 
 def _batch_limits(profiles: list, inputs: dict) -> tuple[int, int]:
@@ -397,33 +246,6 @@ def _onnx_default_batch(profiles: list, inputs: dict) -> int:
 # -------------------------------------------------------------------------------------------- ONNX I/O
 
 
-def _onnx_io(path: Path) -> tuple[dict, dict]:
-    """{name: (onnx elem type, dims with -1 for symbolic)} for the graph's inputs and outputs."""
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except Exception as e:  # protobuf parse errors have no public type
-        raise PackageError(f"{path}: not an ONNX model ({type(e).__name__}: {e})") from None
-    init = {t.name for t in model.graph.initializer}
-
-    def spec(values):
-        out = {}
-        for v in values:
-            if v.name in init:
-                continue
-            t = v.type.tensor_type
-            dims = [d.dim_value if d.HasField("dim_value") else -1 for d in t.shape.dim]
-            out[v.name] = (t.elem_type, dims)
-        return out
-
-    return spec(model.graph.input), spec(model.graph.output)
-
-
-def _triton_type(path: Path, name: str, elem_type: int) -> str:
-    if elem_type not in _TRITON_TYPE:
-        raise PackageError(f"{path}: tensor '{name}' has ONNX type {TensorProto.DataType.Name(elem_type)}, which has no Triton type here")
-    return _TRITON_TYPE[elem_type]
-
-
 def _check_vocab(path: Path, outputs: dict, manifest: dict) -> None:
     vocab = manifest["model"].get("vocab_size")
     logits = outputs.get("logits")
@@ -437,38 +259,6 @@ def _check_vocab(path: Path, outputs: dict, manifest: dict) -> None:
 # ------------------------------------------------------------------------------------ config contents
 
 
-def _parameters(manifest: dict, role: str, backend: str) -> dict[str, str]:
-    model = manifest["model"]
-    params = {
-        "andrea.tool": f"{(manifest.get('tool') or {}).get('name', 'andrea-export')} "
-        f"{(manifest.get('tool') or {}).get('version', '?')}",
-        "andrea.model": str(model.get("name", "?")),
-        "andrea.precision": str(manifest.get("precision", "fp32")),
-        "andrea.verification": str(manifest.get("status", "unverified")),
-        "andrea.artifact": role,
-        "andrea.sha256": str(manifest["artifacts"][role].get("sha256", "")),
-    }
-    if backend == "tensorrt":
-        name, version = _builder(manifest)
-        ccs = (manifest.get("builder") or {}).get("compute_capabilities") or []
-        params["andrea.builder"] = f"{name} {version}"
-        params["andrea.compute_capabilities"] = ",".join(str(c) for c in ccs)
-        params["andrea.plugin"] = _plugin_line(manifest)
-    return params
-
-
-def _plugin_line(manifest: dict) -> str:
-    plugin = manifest.get("plugin") or {}
-    builder = manifest.get("builder") or {}
-    if (not plugin or not plugin.get("in_engine", True) or plugin.get("calls", 1) == 0
-            or builder.get("plugin_layers", 1) == 0):
-        return "none: native TensorRT GELU layers, nothing to load"
-    pid, ver = plugin.get("id", "?"), plugin.get("version", "?")
-    if plugin.get("embedded", False):
-        return f"{pid} v{ver}: AOT plugin, kernel embedded in the engine; no plugin library to load"
-    return f"{pid} v{ver}: NOT embedded; load its library with --backend-config=tensorrt,plugins=<lib.so>"
-
-
 def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size) -> list[str]:
     model = manifest["model"]
     lines = [
@@ -478,12 +268,12 @@ def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size
         f"verification {manifest.get('status', 'unverified')}, artifact '{role}'",
     ]
     if backend == "tensorrt":
-        name, version = _builder(manifest)
+        name, version = builder_of(manifest)
         ccs = ", ".join(str(c) for c in (manifest.get("builder") or {}).get("compute_capabilities") or []) or "?"
         lines += [
             f"TensorRT plan built by {name} {version} for compute capability {ccs}: the Triton release must",
             f"ship TensorRT {version} and run on such a GPU (plans are not portable across either).",
-            f"Plugin: {_plugin_line(manifest)}.",
+            f"Plugin: {plugin_line(manifest)}.",
         ]
         for i, p in enumerate(profiles):
             shapes = "; ".join(f"{n} min {p[n]['min']} opt {p[n]['opt']} max {p[n]['max']}" for n in inputs if n in p)
@@ -499,59 +289,3 @@ def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size
 # -------------------------------------------------------------------------------------------- writing
 
 
-def _write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend: str, manifest_path: Path,
-                     manifest: dict, *, overwrite: bool, hardlink: bool) -> Path:
-    final = repo / name
-    if final.is_symlink() or final.is_file():
-        raise PackageError(f"{final} exists and is not a folder; remove it or choose another name")
-    if final.is_dir() and any(final.iterdir()) and not overwrite:
-        raise PackageError(f"{final} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
-    repo.mkdir(parents=True, exist_ok=True)
-    tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=_staging_parent(repo)))
-    try:
-        model_dir = tmp_root / name
-        version = model_dir / VERSION_DIR
-        version.mkdir(parents=True)
-        if backend == "tensorrt":
-            _place(artifact, version / "model.plan", hardlink)
-        else:
-            locations = graph_weights(manifest_path.parent, manifest, artifact, PackageError)
-            if locations:  # Triton: a multi-file ONNX model is a folder named model.onnx holding model.onnx
-                (version / "model.onnx").mkdir()
-                _place(artifact, version / "model.onnx" / "model.onnx", hardlink)
-                for loc in locations:  # copied: onnx refuses a weights file with several hard links
-                    _place(artifact.parent / loc, version / "model.onnx" / loc, hardlink=False)
-            else:
-                _place(artifact, version / "model.onnx", hardlink)
-        shutil.copyfile(manifest_path, model_dir / PROVENANCE)
-        (model_dir / "config.pbtxt").write_text(config)
-        if final.exists():  # empty, or overwrite=True: one swap; the old one is removed with tmp_root
-            swap_folders(model_dir, final)
-        else:
-            os.replace(model_dir, final)
-    finally:
-        shutil.rmtree(tmp_root, ignore_errors=True)
-    return final
-
-
-def _staging_parent(repo: Path) -> Path:
-    """Where to assemble the model folder: beside the repository (a polling Triton never sees it) when
-    that is on the same file system and writable, else inside it."""
-    parent = repo.resolve().parent
-    try:
-        if os.stat(parent).st_dev == os.stat(repo).st_dev and os.access(parent, os.W_OK | os.X_OK):
-            return parent
-    except OSError:
-        pass
-    return repo
-
-
-def _place(src: Path, dst: Path, hardlink: bool) -> None:
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    if hardlink:
-        try:
-            os.link(src, dst)
-            return
-        except OSError:  # another file system, or links not allowed: copy
-            pass
-    shutil.copyfile(src, dst)

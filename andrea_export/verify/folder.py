@@ -1,0 +1,117 @@
+"""Every artifact of a build folder (staged or finished) against the PyTorch model: the graphs through
+Polygraphy (compare.py), the KV-cache decoders step by step and by greedy decoding (agreement.py), the
+engines where this machine can run them (engine.py); and the build status the report gives."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..folder.reader import read_engine_info
+from ..names import EVAL_TEXT_FILE, TOKENIZER_FILE
+from ..progress import step
+from .engine import engine_blocker, engine_greedy, engine_runner
+
+
+def evaluation_windows(tok, path: Path | str, cfg) -> tuple:
+    """(token windows, description) of the evaluation text in `path`, tokenized once."""
+    from ..model.text import describe_text, encode, read_text, windows
+
+    body = read_text(path)
+    ids = encode(tok, body)
+    return windows(ids, cfg.n_positions), describe_text(body, tok, len(ids))
+
+
+def folder_evaluation(folder: Path, artifacts: dict, cfg):
+    """(token windows, description) of the build's evaluation text, or (None, None) without one."""
+    from ..model.text import load_tokenizer
+
+    if "eval_text" not in artifacts:
+        return None, None
+    # fixed names: a manifest's path is never followed
+    return evaluation_windows(load_tokenizer(folder / TOKENIZER_FILE), folder / EVAL_TEXT_FILE, cfg)
+
+
+def decoder_checks(folder: Path, model, precision: str, artifacts: dict, greedy_steps: int, seed: int = 0) -> dict:
+    """Polygraphy step by step (prefill of a left-padded batch, then one token at a time, every output),
+    and greedy decoding through the runtime (ONNX Runtime, KV cache) against PyTorch recomputing all."""
+    import numpy as np
+
+    cfg = model.cfg
+    path = folder / artifacts["decoder_onnx"]
+    rng = np.random.default_rng(seed)
+    n = min(16, cfg.n_positions // 4)
+    prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
+    result = decoder_graph_checks(model, path, precision, prompts, greedy_steps)
+    if "decoder_onnx_inplace" in artifacts:  # the graph ONNX Runtime and genai run: the same checks
+        with step("Verifying the in-place KV-cache decoder step by step"):
+            result["inplace"] = decoder_graph_checks(model, folder / artifacts["decoder_onnx_inplace"], precision,
+                                                      prompts, greedy_steps)
+        result["passed"] = result["passed"] and result["inplace"]["passed"]
+    return result
+
+
+def decoder_graph_checks(model, path: Path, precision: str, prompts, greedy_steps: int) -> dict:
+    from ..runtime import load
+    from .agreement import greedy_agreement, verify_decoder
+    from .thresholds import TOLERANCES
+
+    steps = verify_decoder(model, path, prompts, steps=8, **TOLERANCES[precision])
+    result = {"artifact": path.name, "steps": steps, "passed": steps["passed"]}
+    if precision == "bf16":  # ONNX Runtime's CPU provider has no bf16 kernels for a whole-session decode
+        result["greedy"] = {"skipped": "bf16 decoding needs a GPU runtime (ONNX Runtime CPU has no bf16 kernels)"}
+        return result
+    if greedy_steps:
+        with step(f"Greedy decoding {greedy_steps} tokens with the KV cache (ONNX Runtime, {path.name}) and PyTorch"), \
+                load(path, "onnxruntime", providers=["CPUExecutionProvider"]) as sess:
+            greedy = greedy_agreement(model, sess, prompts[0][:8], n_tokens=greedy_steps)
+        greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
+        result["greedy"] = greedy
+        if precision == "fp32":  # lower precisions report the first divergence and its margin, and may diverge
+            result["passed"] = result["passed"] and greedy["agree"]
+    return result
+
+
+def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None,
+                  greedy_steps=32, evaluation: tuple | None = None):
+    """Verify every artifact of a (staged or finished) build folder against the PyTorch model. `evaluation`:
+    the evaluation text's (windows, description) when the caller has it, else read from the folder."""
+    from .compare import verify
+
+    runners: dict[str, object] = {"onnxrt": folder / artifacts["onnx"],
+                                  "onnxrt-plugin": folder / artifacts["onnx_plugin"]}
+    skipped = []
+    runner, reason = engine_runner(folder / artifacts["engine"], engine_info)
+    if runner is not None:
+        runners["engine"] = runner
+    else:
+        skipped.append({"artifact": "engine", "reason": reason})
+    shapes = [tuple(s) for s in shapes] if shapes else None
+    wins, described = evaluation or folder_evaluation(folder, artifacts, model.cfg)
+    report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped,
+                    eval_windows=wins, eval_text=described)
+    if "decoder_onnx" in artifacts:
+        with step("Verifying the KV-cache decoder step by step"):
+            report.decoder = decoder_checks(folder, model, precision, artifacts, greedy_steps)
+        if "decoder_engine" in artifacts:
+            plan = folder / artifacts["decoder_engine"]
+            reason = engine_blocker(plan, read_engine_info(folder / artifacts["decoder_engine_info"]))
+            if reason:
+                report.skipped.append({"artifact": "decoder_engine", "reason": reason})
+            else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph) decodes like PyTorch
+                report.decoder["engine_greedy"] = engine_greedy(folder, model, artifacts, greedy_steps or 32, precision)
+                report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine_greedy"]["passed"]
+        report.passed = report.passed and report.decoder["passed"]
+    return report
+
+
+def build_status(report) -> str:
+    engine_ran = not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped)
+    return "failed" if not report.passed else ("passed" if engine_ran else "engine-unverified")
+
+
+def verification_record(report) -> dict:
+    return {"passed": report.passed, "report": "verify.json",
+            "engine_verified": not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped),
+            "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons},
+            "perplexity": ({**p["reference"], **p["artifacts"]} if (p := report.perplexity) and p.get("computed")
+                           else None)}

@@ -1,0 +1,73 @@
+"""What verification lets through, per precision: logit tolerances, top-1 / top-5 agreement, KL divergence of
+next-token distributions and perplexity drift; the ONE place they live, each with the measurement it comes from.
+
+A logit passes when |artifact - reference| <= atol + rtol * |reference| (numpy.allclose semantics).
+"""
+
+# Measured against PyTorch float32 on batch 4 x seq 128 (512 tokens). Trained: andrea-tiny trained on
+# the Python docs (demo.py; held-out perplexity 343.8; logit std 2.2, max |logit| 16.3), on random ids
+# and on held-out text. Random: random_init(seed=0) weights (logit std 0.16 tiny / 0.55 120M, max
+# |logit| 1.2 / 2.9), random ids.
+#
+#   graph                      trained max|err|   top-1    max KL    atol needed   120M random max|err|
+#                              ids / text         (ids)    (ids)     (ids)         (atol needed), top-1
+#   fp32, ONNX Runtime CPU     9.5e-6 / 8.1e-6    100 %    6e-13     3.7e-6        3.0e-6, 100 %
+#   fp16, ONNX Runtime CPU     9.4e-3 / 7.7e-3    100 %    1.2e-6    5.3e-3        2.1e-3, 100 %
+#   fp16, emulate_in_fp32      1.9e-2 / 1.4e-2    99.8 %   7.8e-6    8.6e-3        4.1e-3 (3.6e-3), 99.6 %
+#   bf16, emulate_in_fp32      1.7e-1 / 1.3e-1    97.1 %   4.5e-4    1.2e-1        3.3e-2 (2.9e-2), 96.3 %
+#   (top-1 on text: fp16 emulated 99.8 %, bf16 97.9 %; "atol needed" at the rtol below. An earlier
+#    training of the same model, before the corpus was reflowed, needed 1.3e-2 and 1.6e-1 and reached
+#    max KL 1.3e-3 in bf16. onnxconverter-common fp16 gave the same numbers as this pass on the random
+#    120M, to 3 digits)
+#
+# Perplexity on the 7,747 predicted held-out tokens, through the exported graphs: fp32 343.8262
+# (PyTorch 343.8262, +7e-9), fp16 ORT -1.9e-5, fp16 emulated -9.1e-6, bf16 emulated +2.9e-4 relative.
+#
+# The trained model's logits are 4-5x larger than random ones, and so are its errors: the bounds
+# measured on random weights (fp16 atol 1e-2, bf16 atol 8e-2 and max KL 1e-3) failed it or left no
+# margin. ORT's CPU provider has no bf16 kernels, so bf16 is measured with emulate_in_fp32 (every op
+# rounded to bf16: pessimistic next to a GPU's fused kernels; for fp16 it reads ~2x ORT's error). The
+# bounds below leave >= 2.5x margin over the worst measurement of either training. fp32's bound is
+# far above the CPU's 1e-5 on purpose: GPU engines reorder reductions and may evaluate tanh/exp with
+# approximate instructions; tighten it from GPU runs.
+# fp32 is held to 1e-4 (the foundation issue's bar: about 1e-4 relative on the logits).
+#
+# Weight-only int8 / int4 (quantize.py: ONNX Runtime's MatMulNBits, symmetric round-to-nearest, int8
+# blocks of 64, int4 blocks of 32, tied head quantized too, accuracy_level 4: int8 x int8 products),
+# ONNX Runtime CPU (AVX-512 VNNI), trained andrea-tiny, the build's default shapes (worst of them):
+#
+#   graph        max|err|      top-1     max KL     perplexity (held-out text, vs PyTorch fp32 343.83)
+#   int8         0.221         96.5 %    8.7e-4     344.00 (+5.0e-4)
+#   int4         1.50          64.1 %    2.5e-2     345.98 (+6.3e-3)
+#
+# (Before accuracy_level 4, with weights dequantized to float32 in the product: int8 0.127, 98.2 %,
+# 1.6e-4, +2.7e-4; int4 1.68, 63.1 %, 3.5e-2, +6.1e-3. The Q/DQ graphs the engines get still compute
+# that way: int8 0.119, 98.8 %, 9.1e-5, +5.6e-4.) Their logit bounds are about 3x the worst measurement
+# (random ids are where the tiny model's next-token distribution is flattest, so top-1 flips most: on
+# held-out text int4 keeps far more); their perplexity bounds are the issue's goals: int8 within 1 %,
+# int4 within 5 % of fp32.
+TOLERANCES = {
+    "fp32": dict(rtol=1e-4, atol=1e-4),
+    "fp16": dict(rtol=1e-2, atol=3e-2),
+    "bf16": dict(rtol=2e-2, atol=4e-1),
+    "int8": dict(rtol=5e-2, atol=6e-1),
+    "int4": dict(rtol=2e-1, atol=5.0),
+}
+# Least share of positions whose top-1 token must agree with the reference (same measurements).
+# int4 has no top-1 floor: on random ids its top-1 flips at a quarter to a third of positions, and
+# verify's one-token shape is then 0 or 1 (measured 0: the floor used to be 0, which gated nothing).
+MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.9}
+# Least top-5 overlap (the share of the reference's 5 likeliest tokens among the artifact's), for int4
+# in place of top-1. Trained andrea-tiny, verify's default shapes and seed, ONNX Runtime CPU: int4
+# 0.844 .. 1.0 (text 0.941); broken int4 graphs: nibbles swapped 0.05 .. 0.11 (0.40 on one token),
+# one layer's nibbles swapped 0.53 .. 0.63, scales doubled 0.48 .. 0.78. 0.6 lets int4 miss 2.5x the
+# share it misses and fails the first two at every shape of more than one token (KL fails them too).
+MIN_TOP5 = {"int4": 0.6}
+# Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
+# trained models' worst above times >= 7, int8 and int4 >= 3.4 (random weights: fp32 3e-13, fp16 3e-9,
+# bf16 7e-7). A wrong kernel gives 1e-1 and up.
+MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2, "int8": 3e-3, "int4": 1e-1}
+# Largest relative difference of an artifact's perplexity on real text from PyTorch fp32's (verify with
+# an evaluation text: build --tokenizer --eval-text). Measured above: fp16 1.9e-5, bf16 2.9e-4; the
+# bounds leave >= 17x margin (the issue asks for 1 %; a drift of 0.5 % is already a defect).
+MAX_PPL_REL = {"fp32": 1e-4, "fp16": 1e-3, "bf16": 5e-3, "int8": 1e-2, "int4": 5e-2}
