@@ -12,7 +12,8 @@ from pathlib import Path
 import click
 
 from . import __version__
-from .errors import AndreaExportError
+from .errors import AndreaExportError, ConfigError
+from .pipeline import MAX_WORKSPACE_MB
 
 
 def _user_errors(fn):
@@ -41,9 +42,13 @@ def _user_errors(fn):
     return wrapper
 
 
+def _stdout_is_terminal() -> bool:
+    return click.get_text_stream("stdout").isatty()
+
+
 # Where a user's path cannot be written or read as asked: said in one line, not a traceback.
 _USER_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.ENOTDIR, errno.EISDIR,
-                errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP}
+                errno.EEXIST, errno.ENAMETOOLONG, errno.ELOOP, errno.ENOENT}  # ENOENT: a folder /proc cannot hold
 
 
 def _shapes(ctx, param, value: str | None):
@@ -179,7 +184,9 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
 @main.command()
 @click.option("--build-config", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="A TOML file with any of the options below (keys as in the build folder's build-config.toml). "
-                   "Options given on the command line win.")
+                   "Options given on the command line win. A TOML may come from anyone: its paths (checkpoint, "
+                   "config, tokenizer, eval_text, timing_cache, out) are relative to its folder and must stay "
+                   "inside it; a file elsewhere must be given on the command line.")
 @checkpoint_option
 @config_option
 @click.option("--seed", type=click.IntRange(min=0), default=None,
@@ -195,7 +202,8 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
               help="Optimization profile(s) for input_ids, e.g. 'batch=1:4:16,seq=1:128:1024' (min:opt:max; "
                    "';' separates profiles). [default: batch=1:1:8, seq=1:128:<context>]")
 @click.option("--opt-level", type=click.IntRange(0, 5), default=None, help="Builder optimization level. [default: 3]")
-@click.option("--workspace-mb", type=click.IntRange(min=1), default=None, help="Workspace memory limit in MiB. [default: TensorRT's]")
+@click.option("--workspace-mb", type=click.IntRange(1, MAX_WORKSPACE_MB), default=None,
+              help=f"Workspace memory limit in MiB, at most {MAX_WORKSPACE_MB:,} (1 TiB). [default: TensorRT's]")
 @click.option("--compute-capability", "compute_capabilities", multiple=True,
               help="TensorRT-RTX target, repeatable: 7.5, 8.0, 8.6, 8.9, 12.0. [default: 8.0 8.6 8.9 12.0]")
 @click.option("--timing-cache", type=click.Path(dir_okay=False), default=None,
@@ -354,6 +362,12 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
     if prompt_text:
         if tok is None:
             raise click.UsageError("--prompt needs --tokenizer")
+        for text in prompt_text:
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # argv bytes that are not UTF-8 arrive as lone surrogates
+                raise ConfigError(f"--prompt {text.encode('utf-8', 'backslashreplace').decode()!r} is not UTF-8 text; "
+                                  "give the prompt in UTF-8") from None
         prompts = [tok.encode(text).ids for text in prompt_text]
     else:
         prompts = []
@@ -378,10 +392,13 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
                  "the tokens it generates are meaningless")
         news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)
                                     for p in prompts])
+    from .progress import for_terminal
+
     for prompt, new in zip(prompts, news):
         click.echo(" ".join(map(str, new)))
         if tok is not None:
-            click.echo(tok.decode(prompt + new))
+            text = tok.decode(prompt + new)
+            click.echo(for_terminal(text) if _stdout_is_terminal() else text)  # a pipe gets the text as it is
 
 
 @main.command("train-demo")

@@ -7,11 +7,17 @@ copy them); a test keeps the two identical.
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 from pathlib import Path
 
 from .errors import ConfigError
+from .userfiles import MAX_CONFIG_BYTES, read_json
+
+# What the toolkit supports, field by field and in total (a config is read from files anyone can write: a
+# bound keeps a claimed model from allocating until memory runs out). Far above ANDREA-120M's and GPT-2 XL's
+# shapes; the total is about 8 GB of float32 weights, already more than a build fits in on a 24 GB machine.
+LIMITS = {"vocab_size": 1 << 18, "n_embd": 16384, "n_layer": 256, "n_head": 256, "n_positions": 1 << 17}
+MAX_PARAMS = 2_000_000_000
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,7 +37,10 @@ class ModelConfig:
         for f in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"model config '{self.name}': field '{f}' must be a positive integer, got {v!r}")
+                raise ConfigError(f"model config '{self.name}': field '{f}' must be a positive integer, got {v!r:.40}")
+            if v > LIMITS[f]:
+                raise ConfigError(f"model config '{self.name}': field '{f}' is {v:,}; andrea-export supports at most "
+                                  f"{LIMITS[f]:,}")
         if not isinstance(self.layer_norm_eps, (int, float)) or not 0 < self.layer_norm_eps < 1:
             raise ConfigError(
                 f"model config '{self.name}': field 'layer_norm_eps' must be a number in (0, 1), got {self.layer_norm_eps!r}"
@@ -40,6 +49,9 @@ class ModelConfig:
             raise ConfigError(
                 f"model config '{self.name}': field 'n_head' ({self.n_head}) must divide 'n_embd' ({self.n_embd})"
             )
+        if self.n_params > MAX_PARAMS:
+            raise ConfigError(f"model config '{self.name}': {self.n_params:,} parameters; andrea-export supports at "
+                              f"most {MAX_PARAMS:,} (about 8 GB of float32 weights)")
 
     @property
     def head_dim(self) -> int:
@@ -107,10 +119,7 @@ def load_config(name_or_path: str | Path) -> ModelConfig:
     if key in PRESETS:
         return PRESETS[key]
     path = Path(key)
-    if not path.is_file():
+    if not (path.exists() or path.is_symlink()):
         raise ConfigError(f"no model config '{key}': not a preset ({', '.join(PRESETS)}) and not a file")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path, MAX_CONFIG_BYTES, "a model config", ConfigError)
     return ModelConfig.from_dict(data, source=str(path))

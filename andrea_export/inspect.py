@@ -23,15 +23,23 @@ def describe(path: str | Path) -> dict:
 
 def _describe_build(folder: Path) -> dict:
     from .folder.reader import changed_artifacts, read_manifest
+    from .graphs.external_data import check_folder_weights
 
     m = read_manifest(folder)
     altered = changed_artifacts(folder, m)
+    refused = None
+    if not altered:
+        try:
+            check_folder_weights(folder, m, AndreaExportError)  # links and unrecorded weights files
+        except AndreaExportError as e:
+            refused = str(e)
     return {"kind": "build", "path": str(folder), "status": m["status"], "model": m["model"]["name"],
             "precision": m["precision"], "weights": m["weights"], "builder": m["builder"], "profiles": m["profiles"],
             "plugin": m["plugin"], "verification": m["verification"],
             "artifacts": {r: f"{a['path']} ({a['bytes'] / 1e6:,.1f} MB)" for r, a in m["artifacts"].items()},
-            "integrity": "every artifact matches its sha256" if not altered else f"CHANGED since the build: {', '.join(altered)}",
-            "intact": not altered}
+            "integrity": (f"CHANGED since the build: {', '.join(altered)}" if altered else f"REFUSED: {refused}" if refused
+                          else "every artifact matches its sha256"),
+            "intact": not altered and not refused}
 
 
 def _describe_onnx(path: Path) -> dict:

@@ -20,14 +20,17 @@ import tomllib
 from pathlib import Path
 
 from . import __version__
-from .config import load_config
+from .config import PRESETS, load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
 from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
 from .progress import console, step, styled, warn
+from .userfiles import MAX_CONFIG_BYTES, read_text
 
 FILE_OF = {"tokenizer": TOKENIZER_FILE, "eval_text": EVAL_TEXT_FILE}  # fixed names: a manifest never picks a path
+MAX_WORKSPACE_MB = 1 << 20  # 1 TiB: more than any GPU has, and what TensorRT's size_t takes without overflow
+PATH_OPTIONS = ("config", "checkpoint", "tokenizer", "eval_text", "timing_cache", "out")  # files a build reads or writes
 
 
 @dataclasses.dataclass
@@ -55,25 +58,29 @@ class BuildOptions:
 
     @classmethod
     def from_toml(cls, path: str | Path, **overrides) -> "BuildOptions":
+        """The options of a TOML file (a build folder's build-config.toml, or one a user wrote), `overrides`
+        (the command line's, None for not given) winning. A TOML may be shared, so every path it gives
+        (PATH_OPTIONS) is taken relative to its folder and must stay inside it: a file elsewhere, to read
+        or to write, has to be given on the command line."""
         path = Path(path)
         try:
-            data = tomllib.loads(path.read_text())
-        except (OSError, tomllib.TOMLDecodeError) as e:
-            raise ConfigError(f"{path}: cannot read the build config: {e}") from None
+            data = tomllib.loads(read_text(path, MAX_CONFIG_BYTES, "a build config", ConfigError))
+        except (tomllib.TOMLDecodeError, RecursionError) as e:  # RecursionError: arrays nested thousands deep
+            raise ConfigError(f"{path}: cannot read the build config: {str(e) or 'nested too deep'}") from None
         known = {f.name for f in dataclasses.fields(cls)}
         data = {k.replace("-", "_"): v for k, v in data.items()}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(f"{path}: unknown build option(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        for key in PATH_OPTIONS:
+            if key in data and overrides.get(key) is None and isinstance(data[key], str):
+                if not (key == "config" and data[key] in PRESETS):
+                    data[key] = _toml_path_inside(path, key, data[key])
         data.update({k: v for k, v in overrides.items() if v is not None})
         try:
-            opts = cls(**data).check()
+            return cls(**data).check()
         except ConfigError as e:
             raise ConfigError(f"{path}: {e}") from None
-        for key in ("out", "timing_cache"):  # written to: a shared TOML must not aim them elsewhere
-            if key in data and overrides.get(key) is None:
-                _toml_target_inside(path, key, data[key])
-        return opts
 
     def check(self) -> "BuildOptions":
         """Check every option's type and range (nothing is loaded or built); returns self. Raises
@@ -104,8 +111,8 @@ class BuildOptions:
             bad("builder", f"one of auto, {', '.join(BUILDERS)}")
         if not is_int(self.opt_level) or self.opt_level not in OPT_LEVELS:
             bad("opt_level", "an integer from 0 to 5")
-        if self.workspace_mb is not None and (not is_int(self.workspace_mb) or self.workspace_mb < 1):
-            bad("workspace_mb", "a positive integer (MiB)")
+        if self.workspace_mb is not None and (not is_int(self.workspace_mb) or not 1 <= self.workspace_mb <= MAX_WORKSPACE_MB):
+            bad("workspace_mb", f"a positive integer (MiB), at most {MAX_WORKSPACE_MB:,}")
         if not is_int(self.greedy_steps) or self.greedy_steps < 0:
             bad("greedy_steps", "an integer >= 0")
         if self.verify_shapes is not None and not (
@@ -126,25 +133,38 @@ class BuildOptions:
             raise ConfigError("--eval-text needs --tokenizer (the text is scored as that tokenizer's tokens)")
         return self
 
-    def to_toml(self) -> str:
-        """The effective options as TOML (None values are left out: they mean 'the default')."""
-        lines = ["# andrea-export build options: `andrea-export build --build-config THIS_FILE` repeats the build"]
-        for k, v in dataclasses.asdict(self).items():
+    def to_toml(self, folder: str | Path | None = None) -> str:
+        """The effective options as TOML (None values are left out: they mean 'the default'). For the build
+        folder `folder` itself: its paths relative to it, and the tokenizer and evaluation text as the
+        copies it holds, so that the file repeats the build wherever the folder is moved."""
+        values = dataclasses.asdict(self)
+        if folder is not None:
+            base = Path(folder).resolve()
+            values.update({"out": "."} | {k: FILE_OF[k] for k in FILE_OF if values[k] is not None})
+            for k in ("checkpoint", "config", "timing_cache"):
+                if values[k] is not None and not (k == "config" and values[k] in PRESETS):
+                    target = Path(values[k]).resolve()
+                    values[k] = str(target.relative_to(base)) if base in target.parents else str(target)
+        lines = ["# andrea-export build options: `andrea-export build --build-config THIS_FILE` repeats the build",
+                 "# (paths are relative to this file's folder; one outside it must be given on the command line)"]
+        for k, v in values.items():
             if v is not None:
                 lines.append(f"{k} = {json.dumps(v)}")  # JSON scalars and lists are valid TOML
         return "\n".join(lines) + "\n"
 
 
-def _toml_target_inside(toml: Path, key: str, value) -> None:
-    """A path a build writes to, read from a TOML file, must be the TOML's own folder or inside it (a
-    build-config.toml sits in the build it repeats); else the command line must say it."""
-    if not isinstance(value, str) or not value or "\x00" in value:
-        raise ConfigError(f"{toml}: '{key}' must be a path (a string), got {value!r:.60}")
-    base, target = toml.resolve().parent, Path(value).resolve()
+def _toml_path_inside(toml: Path, key: str, value: str) -> str:
+    """A path read from a TOML file, relative to the TOML's folder, which it must not leave (a
+    build-config.toml sits in the build it repeats); returned resolved."""
+    base = toml.resolve().parent
+    if not value or "\x00" in value:
+        raise ConfigError(f"{toml}: '{key}' must be a path, got {value!r:.60}")
+    target = (base / value).resolve()
     if target != base and base not in target.parents:
         raise ConfigError(f"{toml}: '{key}' = {value!r} is outside the folder of this file ({base}); a build "
-                          f"config may only aim the build at its own folder: give --{key.replace('_', '-')} "
+                          f"config may only name files in its own folder: give --{key.replace('_', '-')} "
                           "on the command line instead")
+    return str(target)
 
 
 def run_build(opts: BuildOptions, force: bool = False) -> dict:
@@ -180,7 +200,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
             # (named by its manifest) are not carried over, anything else in the folder is
             with update_folder(out, drop=previous) as tmp:
                 manifest = _build_into(tmp, out, opts, model, builder, profiles, timing_cache, evaluation)
-                write_text_atomic(tmp / "build-config.toml", opts.to_toml())
+                write_text_atomic(tmp / "build-config.toml", opts.to_toml(out))
                 manifest["build_seconds"] = round(time.perf_counter() - t0, 1)
                 manifest["artifacts"] = _hash_artifacts(tmp, manifest["artifacts"])
                 write_text_atomic(tmp / MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -407,6 +427,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
     """Verify a finished build folder again, here: on a GPU host this runs the engine too. Rewrites
     verify.json and the manifest's status; refuses a folder whose files changed since the build."""
     from .config import ModelConfig
+    from .graphs.external_data import check_folder_weights
     from .model.checkpoint import model_for
     from .verify.compare import check_inputs
     from .verify.folder import build_status, verification_record, verify_folder
@@ -417,6 +438,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         altered = changed_artifacts(folder, m)
         if altered:
             raise BuildError(f"{folder}: {', '.join(altered)} changed since the build (sha256 differs); rebuild instead")
+        check_folder_weights(folder, m)  # every graph points only into recorded, unchanged weights files
         cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
         check_inputs(cfg, shapes, greedy_steps)
         model = model_for(m["weights"], cfg, checkpoint, what=str(folder))

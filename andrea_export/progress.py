@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 import time
 
@@ -39,3 +40,12 @@ def warn(message: str) -> None:
 
 def error(message: str) -> None:
     console.print(styled("error:", "bold red"), message, soft_wrap=True)
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # C0 but tab and newline, DEL, C1
+
+
+def for_terminal(text: str) -> str:
+    """`text` with its control characters written as escapes (ESC as \\x1b): text a model or a user made,
+    printed on a terminal, must not move the cursor, retitle the window or hide what came before."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)

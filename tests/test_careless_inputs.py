@@ -279,3 +279,149 @@ def test_package_name_too_long(tmp_path, tiny_build):
     refused(cli("package", build, "--triton", repo, "--name", "a" * 300, "--backend", "onnxruntime", "--kind", "cpu"),
             1, "300 characters")
     assert listing(tmp_path) == []
+
+
+# --- files a user hands us: regular files of bounded size, UTF-8, JSON of bounded depth --------------------
+
+
+@pytest.fixture
+def fifo(tmp_path):
+    path = tmp_path / "fifo"
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("special", ["/dev/zero", "fifo"])
+def test_a_device_or_fifo_is_refused_not_read(tmp_path, tiny_build, demo_dir, special, fifo):
+    """`--tokenizer /dev/zero` grew to 15.7 GB before the kernel killed it; a FIFO blocked or was 'a directory'."""
+    path = fifo if special == "fifo" else Path(special)
+    out, _ = tiny_build
+    refused(cli("generate", out, "--prompt", "hello", "--tokenizer", path, "-n", "1"), 1, str(path), "not a regular file")
+    refused(cli("build", "--config", "andrea-tiny", "--tokenizer", path, "--out", tmp_path / "b"), 1, str(path),
+            "not a regular file")
+    shutil.copy(demo_dir / "tokenizer.json", tmp_path / "tok.json")
+    refused(cli("build", "--config", "andrea-tiny", "--tokenizer", tmp_path / "tok.json", "--eval-text", path,
+                "--out", tmp_path / "b"), 1, str(path), "not a regular file")
+    refused(cli("build", "--config", path, "--out", tmp_path / "b"), 1, str(path), "not a regular file")
+    refused(cli("build", "--build-config", path, "--out", tmp_path / "b"), 1, str(path), "not a regular file")
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_huge_file_is_refused_by_its_size(tmp_path):
+    big = tmp_path / "big.json"
+    with open(big, "wb") as f:
+        f.truncate(2 << 20)  # sparse: 2 MiB of zeros, past a config's 1 MiB
+    refused(cli("build", "--config", big, "--out", tmp_path / "b"), 1, "big.json", "2,097,152 bytes", "1,048,576")
+
+
+@pytest.mark.parametrize("where", ["--config", "config.json", "index", "--build-config"])
+def test_deeply_nested_json_is_one_clear_error(tmp_path, where):
+    deep = "[" * 100_000 + "]" * 100_000
+    if where == "--build-config":
+        (tmp_path / "b.toml").write_text(f"seed = {deep}\n")
+        args = ["build", "--build-config", tmp_path / "b.toml"]
+    elif where == "--config":
+        (tmp_path / "c.json").write_text(deep)
+        args = ["build", "--config", tmp_path / "c.json"]
+    else:  # a Hugging Face save_pretrained folder
+        folder = tmp_path / "hf"
+        folder.mkdir()
+        (folder / "model.safetensors.index.json").write_text('{"weight_map": ' + deep + "}")
+        (folder / "config.json").write_text(deep if where == "config.json" else "{}")
+        args = ["build", "--checkpoint", folder]
+    refused(cli(*args, "--out", tmp_path / "b"), 1, "deep")
+    assert not (tmp_path / "b").exists()
+
+
+def test_every_text_read_is_utf8_whatever_the_locale(tmp_path, tiny_build, demo_dir):
+    """Under LC_ALL=C (and inside Triton's Python stub) a locale-encoded read fails on the first 'é'."""
+    import subprocess
+    import sys
+
+    out, _ = tiny_build
+    tok = tmp_path / "tokenizer.json"
+    tok.write_text(demo_dir.joinpath("tokenizer.json").read_text(encoding="utf-8"), encoding="utf-8")
+    cfg = tmp_path / "café.json"
+    cfg.write_text('{"name": "cafe", "vocab_size": 8449, "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}',
+                   encoding="utf-8")
+    text = tmp_path / "eval.txt"
+    text.write_text("Caf\u00e9 cr\u00e8me, na\u00efve \u2014 \u00fcber.\n", encoding="utf-8")
+    env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONIOENCODING": "utf-8"}
+    code = ("import sys; from andrea_export.config import load_config; "
+            "from andrea_export.model.text import load_tokenizer, read_text; "
+            "print(load_config(sys.argv[1]).name, load_tokenizer(sys.argv[2]).get_vocab_size(), len(read_text(sys.argv[3])))")
+    run = subprocess.run([sys.executable, "-c", code, str(cfg), str(tok), str(text)], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert run.returncode == 0 and run.stdout.split() == ["cafe", "8449", "26"], run.stderr[-2000:]
+
+
+_CTRL_C_IN_THE_BUILDER = r"""
+import os, signal, sys, threading
+import tensorrt_rtx as trt
+from andrea_export.cli import main
+
+real = trt.Builder.build_serialized_network
+
+def build(self, network, config):  # Ctrl-C lands while TensorRT-RTX is building, in its C++ code
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    return real(self, network, config)
+
+trt.Builder.build_serialized_network = build
+main(["build", "--config", "andrea-tiny", "--builder", "tensorrt-rtx", "--no-decoder", "--out", sys.argv[1]])
+"""
+
+
+def test_ctrl_c_during_the_engine_build_is_an_interruption_not_a_failure(tmp_path):
+    """Exit 130 and 'interrupted', as anywhere else; not 1 with "failed to build ... BuildCanceled"."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _CTRL_C_IN_THE_BUILDER, str(tmp_path / "b")], capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 130, (run.returncode, run.stderr[-3000:])
+    assert "interrupted" in run.stderr and "Traceback" not in run.stderr and "BuildCanceled" not in run.stderr
+    assert not (tmp_path / "b").exists() or not any((tmp_path / "b").iterdir())
+
+
+def test_a_prompt_that_is_not_utf8_is_one_clear_error(tiny_build, demo_dir):
+    out, _ = tiny_build
+    bad = "caf\udce9"  # what Python makes of a Latin-1 byte in argv under a UTF-8 locale
+    refused(cli("generate", out, "--prompt", bad, "--tokenizer", demo_dir / "tokenizer.json", "-n", "1"), 1,
+            "--prompt", "utf-8")
+
+
+@pytest.mark.parametrize("option", ["--prompt-ids", "--stop-id"])
+def test_a_huge_token_id_says_what_is_wrong(tiny_build, option):
+    out, _ = tiny_build
+    args = ["--prompt-ids", "1,2"] if option == "--stop-id" else []
+    refused(cli("generate", out, *args, option, "99999999999999999999999", "-n", "1"), 1, "99999999999999999999999",
+            "vocabulary")
+
+
+def test_a_workspace_beyond_any_machine_is_refused(tmp_path):
+    refused(cli("build", "--config", "andrea-tiny", "--workspace-mb", "99999999999999999", "--out", tmp_path / "b"),
+            2, "--workspace-mb")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("out", ["/proc/x", "/proc/self/x/y"])
+def test_out_where_nothing_can_be_written(tmp_path, out):
+    first = out.split("/x")[0] + "/x"  # the folder that cannot be made
+    refused(cli("build", "--config", "andrea-tiny", "--builder", "tensorrt-rtx", "--out", out), 1, first)
+    refused(cli("export", "--config", "andrea-tiny", "--out", f"{out}/m.onnx"), 1, first)
+
+
+def test_control_characters_reach_a_terminal_escaped(tiny_build, demo_dir, monkeypatch):
+    """An ESC ]0; sequence in a prompt (or in what the model writes) would retitle the terminal window."""
+    from andrea_export import cli as cli_module
+    from andrea_export.progress import for_terminal
+
+    assert for_terminal("a\x1b]0;owned\x07b\tc\nd\x9be\x7f") == "a\\x1b]0;owned\\x07b\tc\nd\\x9be\\x7f"
+    out, _ = tiny_build
+    args = ["generate", out, "--prompt", "x\x1b]0;owned\x07", "--tokenizer", demo_dir / "tokenizer.json", "-n", "1"]
+    piped = cli(*args)
+    assert piped.exit_code == 0 and "\x1b]0;owned\x07" in piped.output  # a pipe gets the text as it is
+    monkeypatch.setattr(cli_module, "_stdout_is_terminal", lambda: True)
+    shown = cli(*args)
+    assert shown.exit_code == 0 and "\x1b" not in shown.output and "\\x1b]0;owned\\x07" in shown.output

@@ -493,3 +493,222 @@ def test_a_model_name_is_one_safe_path_component(name):
         return
     out = Path("out") / f"{cfg.name}-fp32"
     assert len(out.parts) == 2 and out.parent == Path("out") and not out.name.startswith(".")
+
+
+# ---- a shared build-config.toml: reads nothing outside its folder -------------------------------------------
+
+
+def _toml_with(scene: Scene, **values) -> Path:
+    toml = scene.evil / "build-config.toml"
+    keep = [line for line in toml.read_text().splitlines(True) if line.split(" =")[0] not in values]
+    toml.write_text("".join(keep) + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items()))
+    return toml
+
+
+@pytest.mark.parametrize("key", ["tokenizer", "eval_text", "checkpoint", "config"])
+def test_a_toml_reads_no_file_outside_its_folder(scene, key):
+    """eval_text = "~/.ssh/id_rsa" would copy the key into the build (eval.txt), which people then share."""
+    secret = scene.root / "secret.txt"
+    secret.write_text("private\n")
+    for value in (str(secret), "../../secret.txt"):
+        toml = _toml_with(scene, **{key: value}, **({"tokenizer": "tokenizer.json"} if key == "eval_text" else {}))
+        with untouched(scene):
+            cli("build", "--build-config", toml, says=(key, "outside the folder of this file", f"--{key.replace('_', '-')}"))
+        assert not (scene.evil / "eval.txt").exists()
+
+
+def test_a_path_in_a_toml_is_relative_to_the_toml(scene):
+    from andrea_export.pipeline import BuildOptions
+
+    toml = _toml_with(scene, out="o1", timing_cache="cache/t.cache")
+    opts = BuildOptions.from_toml(toml)
+    assert opts.out == str((scene.evil / "o1").resolve()) and opts.timing_cache == str((scene.evil / "cache/t.cache").resolve())
+    elsewhere = scene.root / "elsewhere.json"  # given on the command line, a path may be anywhere
+    assert BuildOptions.from_toml(_toml_with(scene, config=str(elsewhere)), config=str(elsewhere)).config == str(elsewhere)
+
+
+def test_a_build_config_toml_repeats_its_build_from_its_own_folder(tiny_build, tmp_path):
+    """The folder's own build-config.toml names the folder and its copies, relative to itself: it still
+    repeats the build after the folder moved."""
+    from andrea_export.pipeline import BuildOptions
+
+    out, _ = tiny_build
+    moved = tmp_path / "moved"
+    shutil.copytree(out, moved)
+    text = (moved / "build-config.toml").read_text()
+    assert 'out = "."' in text and str(out) not in text
+    assert BuildOptions.from_toml(moved / "build-config.toml").out == str(moved.resolve())
+
+
+# ---- a build folder's tokenizer: an artifact like every other ----------------------------------------------
+
+
+@pytest.fixture
+def tokenized(scene, demo_dir):
+    """The evil build with the demo's tokenizer.json recorded in its manifest (as `build --tokenizer` does)."""
+    from andrea_export.folder.atomic import sha256_file
+
+    tok = scene.evil / "tokenizer.json"
+    shutil.copy(demo_dir / "tokenizer.json", tok)
+    m = scene.manifest()
+    m["artifacts"]["tokenizer"] = {"path": "tokenizer.json", "sha256": sha256_file(tok), "bytes": tok.stat().st_size}
+    scene.write_manifest(m)
+    cli("generate", scene.evil, "--prompt", "Return a new", "-n", "2", code=0)  # the intact folder works
+    return tok
+
+
+def test_a_tampered_tokenizer_is_refused(scene, tokenized):
+    data = json.loads(tokenized.read_text())
+    data["normalizer"] = {"type": "Replace", "pattern": {"String": "new"}, "content": "old"}  # "new" reads "old"
+    tokenized.write_text(json.dumps(data))
+    with untouched(scene):
+        cli("generate", scene.evil, "--prompt", "Return a new", "-n", "2", says=("tokenizer.json", "changed"))
+
+
+def test_a_tokenizer_the_manifest_does_not_record_is_refused(scene, tokenized):
+    m = scene.manifest()
+    del m["artifacts"]["tokenizer"]
+    scene.write_manifest(m)
+    with untouched(scene):
+        cli("generate", scene.evil, "--prompt", "Return a new", "-n", "2", says=("tokenizer.json", "not recorded"))
+
+
+def test_a_tokenizer_linking_out_of_the_folder_is_refused(scene, tokenized):
+    outside = scene.root / "tok.json"
+    shutil.copy(tokenized, outside)
+    tokenized.unlink()
+    tokenized.symlink_to(outside)  # same bytes, so the sha256 matches: only the link tells
+    with untouched(scene):
+        cli("generate", scene.evil, "--prompt", "Return a new", "-n", "2", says=("tokenizer.json", "outside"))
+
+
+# ---- model configs and checkpoints: bounded before anything is allocated ------------------------------------
+
+
+@pytest.mark.parametrize("field, value", [("n_layer", 1_000_000), ("n_positions", 10**9), ("vocab_size", 10**8),
+                                          ("n_embd", 1 << 20), ("n_head", 4096)])
+def test_every_config_field_has_an_upper_bound(scene, field, value):
+    cfg = {**ANDREA_TINY.to_dict(), field: value} | ({"n_embd": 4096 * 4} if field == "n_head" else {})
+    path = scene.root / "huge.json"
+    path.write_text(json.dumps(cfg))
+    with untouched(scene):
+        cli("export", "--config", path, "--out", scene.root / "m.onnx", says=(field, "at most"))
+
+
+def test_a_config_too_large_in_total_is_refused(scene):
+    cfg = {**ANDREA_TINY.to_dict(), "n_embd": 8192, "n_head": 64, "n_layer": 128}  # each field allowed: 100 G params
+    path = scene.root / "big.json"
+    path.write_text(json.dumps(cfg))
+    cli("export", "--config", path, "--out", scene.root / "m.onnx", says=("parameters", "at most"))
+
+
+_LOAD_AND_MEASURE = """
+import resource, sys
+from andrea_export.errors import CheckpointError
+from andrea_export.model.checkpoint import load_checkpoint
+try:
+    load_checkpoint(sys.argv[1])
+    print("loaded")
+except CheckpointError as e:
+    print("refused:", e)
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)  # MiB
+"""
+
+
+def test_a_checkpoint_bomb_costs_no_more_memory_than_a_good_checkpoint(scene):
+    """Tiny tensors whose metadata claims a 1.6 G-parameter model (every field within its bound): refused by
+    the shapes before the model is built, at the memory a good tiny checkpoint costs."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from andrea_export.model.checkpoint import random_init
+
+    state = {k: v.contiguous() for k, v in random_init(ANDREA_TINY, announce=False).state_dict().items()}
+    good, bomb = scene.root / "good.safetensors", scene.root / "bomb.safetensors"
+    save_file(state, str(good), metadata={"andrea.config": json.dumps(ANDREA_TINY.to_dict())})
+    claim = {**ANDREA_TINY.to_dict(), "n_embd": 2048, "n_head": 16, "n_layer": 32, "n_positions": 2048}
+    save_file(state, str(bomb), metadata={"andrea.config": json.dumps(claim)})
+    runs = {}
+    for name, path in (("good", good), ("bomb", bomb)):
+        run = subprocess.run([sys.executable, "-c", _LOAD_AND_MEASURE, str(path)], capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        runs[name] = run.stdout.splitlines()
+    assert runs["good"][0] == "loaded"
+    assert runs["bomb"][0].startswith("refused:") and "does not fit" in runs["bomb"][0], runs["bomb"]
+    assert int(runs["bomb"][1]) <= int(runs["good"][1]) + 64, runs  # MiB: the claimed model is 6.4 GB
+
+
+@pytest.mark.parametrize("change, says", [
+    (lambda s: {**s, "wte.weight": s["wte.weight"][:, 0].contiguous()}, "wte.weight"),  # 1-D, no metadata
+    (lambda s: {**s, "h.0.mlp.c_fc.weight": s["h.0.mlp.c_fc.weight"].to(__import__("torch").float8_e4m3fn)},
+     "float8_e4m3fn"),
+])
+def test_odd_tensors_in_a_checkpoint_are_one_clear_error(scene, change, says):
+    from safetensors.torch import save_file
+
+    from andrea_export.model.checkpoint import random_init
+
+    state = {k: v.contiguous() for k, v in random_init(ANDREA_TINY, announce=False).state_dict().items()}
+    path = scene.root / "odd.safetensors"
+    save_file(change(state), str(path))
+    with untouched(scene):
+        cli("export", "--checkpoint", path, "--out", scene.root / "m.onnx", says=says)
+
+
+def _rehash(scene: Scene, name: str) -> None:
+    """Record `name`'s new bytes in the manifest, as a hostile folder's author would."""
+    from andrea_export.folder.atomic import sha256_file
+
+    m = scene.manifest()
+    for a in m["artifacts"].values():
+        if a["path"] == name:
+            a["sha256"], a["bytes"] = sha256_file(scene.evil / name), (scene.evil / name).stat().st_size
+    scene.write_manifest(m)
+
+
+@pytest.mark.parametrize("offset", ["abc", "-5", "1e3", ""])
+def test_an_external_data_offset_that_is_no_byte_offset_is_one_clear_error(scene, offset):
+    import onnx
+
+    graph = scene.evil / "decoder.inplace.onnx"
+    model = onnx.load(str(graph), load_external_data=False)
+    t = next(t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL)
+    entry = next((e for e in t.external_data if e.key == "offset"), None) or t.external_data.add(key="offset")
+    entry.value = offset
+    onnx.save(model, str(graph))
+    _rehash(scene, "decoder.inplace.onnx")
+    with untouched(scene):
+        cli("generate", scene.evil, "--prompt-ids", "1,2", "-n", "1", says=("decoder.inplace.onnx", t.name))
+
+
+def test_verify_refuses_a_graph_pointing_into_an_unrecorded_weights_file(scene):
+    """package and generate refused it already; verify read the other file's weights and said 'passed'."""
+    import onnx
+
+    shutil.copy(scene.evil / "weights.fp32.data", scene.evil / "weights.other.data")
+    graph = scene.evil / "model.onnx"
+    model = onnx.load(str(graph), load_external_data=False)
+    for t in model.graph.initializer:
+        for e in t.external_data:
+            if e.key == "location":
+                e.value = "weights.other.data"
+    onnx.save(model, str(graph))
+    _rehash(scene, "model.onnx")
+    with untouched(scene):
+        cli("verify", scene.evil, "--greedy-steps", "0", "--shapes", "1x2", says=("weights.other.data", "does not record"))
+
+
+@pytest.mark.parametrize("link", ["symlink", "hardlink"])
+def test_inspect_does_not_call_a_linked_weights_file_intact(scene, link):
+    weights = scene.evil / "weights.fp32.data"
+    if link == "symlink":
+        outside = scene.root / "w.data"
+        shutil.move(weights, outside)
+        weights.symlink_to(outside)  # same bytes: the sha256 matches, every other command refuses it
+    else:
+        os.link(weights, scene.root / "another-name.data")
+    out = cli("inspect", scene.evil, says="weights.fp32.data")
+    assert "every artifact matches" not in out

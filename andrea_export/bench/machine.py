@@ -111,7 +111,7 @@ def combine_limits(*measurements: dict) -> dict:
 
 def _read(path: str) -> str:
     try:
-        return Path(path).read_text()
+        return Path(path).read_text(encoding="utf-8")
     except OSError:
         return ""
 

@@ -78,7 +78,7 @@ def load_json(path: str | Path) -> dict:
     """Read and check a result document (schema version and required keys)."""
     path = Path(path)
     try:
-        doc = json.loads(path.read_text())
+        doc = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BenchSchemaError(f"{path}: no such benchmark result") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

@@ -32,8 +32,8 @@ def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, 
            "pad_token_id": conf["eos_token_id"], "do_sample": False, "max_length": model.cfg.n_positions}
     with staging(out, marker_suffix=HF_CONFIG) as tmp:
         export_decoder_onnx(model, tmp / "model.onnx", quiet=quiet)
-        (tmp / HF_CONFIG).write_text(json.dumps(conf, indent=2) + "\n")
-        (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n")
+        (tmp / HF_CONFIG).write_text(json.dumps(conf, indent=2) + "\n", encoding="utf-8")
+        (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
     return out
 
 

@@ -37,9 +37,10 @@ from ..folder.reader import metadata_json, read_engine_info
 from ..graphs.external_data import external_data_files
 from ..names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from ..progress import console, warn
+from ..userfiles import MAX_JSON_BYTES, read_json
 from .builders import BUILDER_NAMES, network_flags, resolve_builder, trt_module
 from .compat import build_targets, check_engine_compat, check_precision
-from .log import expected_warning, layer_report, make_logger, progress_monitor
+from .log import ctrl_c_cancels, expected_warning, layer_report, make_logger, progress_monitor
 from .profiles import Profiles
 from .refit import STRIP_REFUSED_RTX, sidecar_path
 
@@ -216,7 +217,7 @@ def build_engine(
             warnings.append(note)
     monitor = progress_monitor(trt, progress and console.is_terminal, f"Building {plan_path.name} with {name}")
     config.progress_monitor = monitor
-    with monitor:
+    with monitor, ctrl_c_cancels(monitor):
         serialized = b.build_serialized_network(network, config)
     if monitor.interrupted:
         raise KeyboardInterrupt
@@ -312,8 +313,8 @@ def _load_timing_cache(trt, config, path: Path, builder: str):
     if path.is_file():
         meta_path = sidecar_path(path)
         try:
-            meta = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
-        except (OSError, UnicodeDecodeError, ValueError):
+            meta = read_json(meta_path, MAX_JSON_BYTES, "a timing cache's sidecar", BuildError) if meta_path.is_file() else {}
+        except BuildError:
             meta = {"unreadable": str(meta_path)}  # then not this TensorRT's: a new cache
         here = {"builder": builder, "builder_version": trt.__version__, "gpu": gpu_compute_capability()}
         if meta and meta != here:

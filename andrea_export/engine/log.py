@@ -3,8 +3,10 @@ builder's layer listing), rich progress bars for its build phases, and the engin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import signal
 import threading
 
 from ..errors import gpu_compute_capability
@@ -98,6 +100,25 @@ def progress_monitor(trt, show: bool, title: str):
                 self.interrupted = True
 
     return Monitor()
+
+
+@contextlib.contextmanager
+def ctrl_c_cancels(monitor):
+    """While TensorRT builds, Ctrl-C (SIGINT) only marks `monitor` interrupted, and the monitor's next
+    callback asks TensorRT to cancel: raised inside a callback (the logger's, say), the KeyboardInterrupt
+    would be swallowed by the C++ side or turn into a 'BuildCanceled' failure. The caller raises it after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # signal handlers belong to the main thread; elsewhere Ctrl-C does not reach a build anyway
+        return
+
+    def handler(signum, frame):
+        monitor.interrupted = True
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def layer_report(trt, builder: str, serialized, logger) -> tuple[dict | None, str]:

@@ -12,12 +12,13 @@ import json
 import re
 from pathlib import Path
 
+from .. import userfiles
 from ..errors import BuildError
 from ..names import BUILDERS, PRECISIONS
+from ..userfiles import MAX_JSON_BYTES
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
-MAX_JSON_BYTES = 16 << 20  # a manifest or sidecar is a few kB; refuse to parse a huge one
 STATUSES = ("passed", "engine-unverified", "failed")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
@@ -48,14 +49,8 @@ def inside(folder: str | Path, name: object, what: str, error: type[Exception] =
 
 
 def read_json(path: Path, error: type[Exception] = BuildError):
-    try:
-        if path.stat().st_size > MAX_JSON_BYTES:
-            raise error(f"{path}: {path.stat().st_size:,} bytes, too large for a manifest")
-        return json.loads(path.read_bytes())
-    except OSError as e:
-        raise error(f"{path}: cannot be read ({e.strerror or e})") from None
-    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
-        raise error(f"{path}: not valid JSON ({e})") from None
+    """A manifest or sidecar: a regular file of at most MAX_JSON_BYTES, JSON of bounded depth (userfiles)."""
+    return userfiles.read_json(path, MAX_JSON_BYTES, "a manifest or sidecar", error)
 
 
 # Types, by example: a type; a tuple of allowed values; [spec] a list of such; {key: spec} an object

@@ -136,7 +136,11 @@ def external_data_files(path: str | Path, model: onnx.ModelProto | None = None) 
     for t in _tensors(model):
         if not uses_external_data(t):
             continue
-        info = ExternalDataInfo(t)
+        try:
+            info = ExternalDataInfo(t)  # parses offset and length with int(): "abc" and "-5" raise ValueError
+        except ValueError as e:
+            raise ExportError(f"{path}: tensor '{t.name}' has external data that is not a byte range ({e}); the "
+                              "graph was not written by an ONNX exporter") from None
         loc = info.location
         if not loc or loc in (".", "..") or "/" in loc or "\\" in loc or ":" in loc:
             raise ExportError(f"{path}: tensor '{t.name}' points to external data '{loc}', which is not a plain file "
@@ -195,3 +199,11 @@ def graph_weights(folder: str | Path, manifest: dict, graph: str | Path, error: 
     if changed := changed_artifacts(folder, {"artifacts": dict(recorded[w] for w in names)}):
         raise error(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
     return names
+
+
+def check_folder_weights(folder: str | Path, manifest: dict, error: type[Exception] = BuildError) -> None:
+    """graph_weights for every ONNX graph the validated `manifest` records: each points only into weights
+    files the manifest records and that still match it (regular files, one link, inside the folder)."""
+    for a in manifest["artifacts"].values():
+        if a["path"].endswith(".onnx"):
+            graph_weights(folder, manifest, Path(folder) / a["path"], error)

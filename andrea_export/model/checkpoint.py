@@ -32,9 +32,11 @@ from ..folder.atomic import atomic_path, sha256_file
 from ..folder.reader import inside
 from ..names import CONFIG_KEY
 from ..progress import warn
+from ..userfiles import MAX_JSON_BYTES, loads_json, read_json
 from .andrea import Andrea
 from .gpt2 import CONV1D, HF_IGNORED, read_hf_config
 
+WEIGHT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)  # what is read as float32 weights
 GPT2_HEADS = {768: 12, 1024: 16, 1280: 20, 1600: 25}  # every GPT-2 size: head_dim 64
 
 
@@ -82,8 +84,9 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> Andr
         config = config or hf_cfg
     tensors = _to_project_layout(tensors, path, tied)
     cfg = config or _config_from(tensors, meta, path)
+    with torch.device("meta"):  # the shapes the config gives, checked before its weights are allocated
+        _check_against(Andrea(cfg), tensors, path)
     model = Andrea(cfg)
-    _check_against(model, tensors, path)
     model.load_state_dict(tensors, strict=True)
     # no path: the same bytes give the same ONNX bytes wherever they lie
     model.weights_source = {"kind": "checkpoint", "sha256": checkpoint_sha256(path)}
@@ -145,10 +148,8 @@ def _read_metadata(path: Path) -> dict[str, str]:
 
 def _shards(folder: Path, index: Path) -> list[Path]:
     """The shard files an index names, each checked to lie inside `folder` (untrusted input)."""
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"{index}: not a safetensors index (JSON with a 'weight_map'): {e}") from None
+    data = read_json(index, MAX_JSON_BYTES, "a safetensors index", CheckpointError)
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
     if not isinstance(weight_map, dict) or not weight_map:
         raise CheckpointError(f"{index}: 'weight_map' must be a non-empty object of tensor name -> file name")
     files = []
@@ -238,8 +239,9 @@ def _to_project_layout(tensors: dict[str, torch.Tensor], path: Path, tied: bool 
         raise CheckpointError(f"{path}: config.json says tie_word_embeddings false, but there is no 'lm_head.weight'; "
                               "ANDREA's output projection is the token embedding, so an untied head is refused")
     for k, v in out.items():
-        if not v.is_floating_point():
-            raise CheckpointError(f"{path}: tensor '{k}' has dtype {v.dtype}; weights must be floating point")
+        if v.dtype not in WEIGHT_DTYPES:  # float8 and the like too: no isfinite, no float32 conversion to trust
+            raise CheckpointError(f"{path}: tensor '{k}' has dtype {v.dtype}; weights must be floating point: "
+                                  f"{', '.join(str(d).removeprefix('torch.') for d in WEIGHT_DTYPES)}")
         if not torch.isfinite(v).all():
             bad = (~torch.isfinite(v)).sum().item()
             raise CheckpointError(f"{path}: tensor '{k}' contains {bad} NaN/Inf value(s)")
@@ -250,12 +252,17 @@ def _to_project_layout(tensors: dict[str, torch.Tensor], path: Path, tied: bool 
 def _config_from(tensors: dict[str, torch.Tensor], meta: dict[str, str], path: Path) -> ModelConfig:
     if CONFIG_KEY in meta:
         try:
-            return ModelConfig.from_dict(json.loads(meta[CONFIG_KEY]), source=f"{path} metadata")
-        except (ConfigError, json.JSONDecodeError) as e:
+            data = loads_json(meta[CONFIG_KEY], f"{path} metadata", f"'{CONFIG_KEY}'", CheckpointError)
+            return ModelConfig.from_dict(data, source=f"{path} metadata")
+        except ConfigError as e:
             raise CheckpointError(f"{path}: bad '{CONFIG_KEY}' metadata: {e}") from None
     for k in ("wte.weight", "wpe.weight", "h.0.attn.c_attn.weight"):
         if k not in tensors:
             raise CheckpointError(f"{path}: missing tensor '{k}', so the model shape cannot be inferred")
+    for k, dims in (("wte.weight", 2), ("wpe.weight", 2)):
+        if tensors[k].dim() != dims:
+            raise CheckpointError(f"{path}: tensor '{k}' has shape {list(tensors[k].shape)}; a {dims}-D tensor "
+                                  "was expected, so the model shape cannot be inferred")
     vocab, n_embd = tensors["wte.weight"].shape
     n_layer = 1 + max(int(m.group(1)) for k in tensors if (m := re.match(r"h\.(\d+)\.", k)))
     if n_embd not in GPT2_HEADS:

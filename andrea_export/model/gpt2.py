@@ -25,24 +25,19 @@ from pathlib import Path
 
 from ..config import ModelConfig, safe_name
 from ..errors import CheckpointError
+from ..userfiles import MAX_CONFIG_BYTES, read_json
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")  # [in, out] in GPT-2
 HF_IGNORED = re.compile(r"^h\.\d+\.attn\.(masked_)?bias$")  # causal-mask buffers in old GPT-2 files
 HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
 TANH_GELU = ("gelu_new", "gelu_pytorch_tanh")
-_MAX_CONFIG_BYTES = 1 << 20  # a config.json is a few hundred bytes; refuse to parse something huge
 
 
 def read_hf_config(path: str | Path, name: str | None = None) -> tuple[ModelConfig, bool]:
     """(ModelConfig, tied) from a GPT-2 `config.json`; CheckpointError for anything ANDREA cannot compute."""
     path = Path(path)
-    try:
-        if path.stat().st_size > _MAX_CONFIG_BYTES:
-            raise CheckpointError(f"{path}: {path.stat().st_size} bytes is too large for a model config.json")
-        data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path}: not a readable JSON config ({e})") from None
+    data = read_json(path, MAX_CONFIG_BYTES, "a model config.json", CheckpointError)
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: expected a JSON object")
     model_type = data.get("model_type", "gpt2")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .. import userfiles
 from ..errors import ConfigError, require
 from ..folder.atomic import write_text_atomic
 
@@ -138,17 +139,16 @@ def load_tokenizer(path: str | Path):
     """A tokenizer.json (plain JSON: nothing is executed), with a clear error for anything else."""
     tk = require("tokenizers", "text", "A tokenizer")
     path = Path(path)
+    text = userfiles.read_text(path, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", ConfigError)
     try:
-        return tk.Tokenizer.from_str(path.read_text())
-    except (OSError, UnicodeDecodeError, Exception) as e:  # the Rust side raises a bare Exception
+        return tk.Tokenizer.from_str(text)
+    except Exception as e:  # the Rust side raises a bare Exception
         raise ConfigError(f"{path}: not a readable tokenizer.json ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
 
 
 def read_text(path: str | Path) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{path}: cannot read it as UTF-8 text ({e})") from None
+    """An evaluation text: UTF-8, a regular file of bounded size."""
+    return userfiles.read_text(path, userfiles.MAX_TEXT_BYTES, "an evaluation text", ConfigError)
 
 
 def encode(tok, text: str) -> list[int]:

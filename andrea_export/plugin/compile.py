@@ -352,7 +352,7 @@ def compile_ptx(
         path = kernel_source_path()
         if not path.is_file():
             raise PluginError(f"tanh-GELU kernel source not found: {path}")
-        source = path.read_text()
+        source = path.read_text(encoding="utf-8")
     lib = load_nvrtc(nvrtc)
     opts = (f"--gpu-architecture={compute}", "--std=c++17", "--fmad=true", *options)
     src_sha = hashlib.sha256(source.encode()).hexdigest()
@@ -363,7 +363,7 @@ def compile_ptx(
     cached = cache / f"{key}.ptx"
     from_cache = False
     if use_cache and cached.is_file():
-        ptx = cached.read_text()
+        ptx = cached.read_text(encoding="utf-8")
         from_cache = True
     else:
         rc, ptx, log = lib.compile(source, "gelu_tanh.cu", opts)

@@ -35,11 +35,27 @@ __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "Seria
 
 
 def tokenizer_path(path: str | Path) -> Path | None:
-    """The tokenizer a build folder carries (`build --tokenizer`), or None. Always the fixed name inside
-    the folder: no path is taken from the manifest."""
+    """The tokenizer a build folder carries (`build --tokenizer`), or None. Always the fixed name inside the
+    folder (no path is taken from the manifest), and in a build folder only as its manifest records it: a
+    tokenizer changed, added or linked out of the folder after the build is refused (InputError), since it
+    would silently change the prompt's ids."""
     path = Path(path)
     candidate = path / TOKENIZER_FILE
-    return candidate if path.is_dir() and candidate.is_file() else None
+    if not path.is_dir() or not (candidate.exists() or candidate.is_symlink()):
+        return None
+    from ..folder.reader import changed_artifacts, inside
+
+    manifest = _build_manifest(path)
+    if manifest is None:  # a bare decoder folder: no record to check against, but no link out of it
+        return inside(path, TOKENIZER_FILE, str(candidate), InputError, flat=True)
+    recorded = manifest["artifacts"].get("tokenizer")
+    if recorded is None or recorded["path"] != TOKENIZER_FILE:
+        raise InputError(f"{candidate}: not recorded in {path / MANIFEST} as the build's tokenizer: the folder was "
+                         "changed after the build; rebuild it, or give the tokenizer with --tokenizer")
+    if changed_artifacts(path, {"artifacts": {"tokenizer": recorded}}):
+        raise InputError(f"{candidate}: changed since the build (sha256 differs from the manifest's); rebuild it, "
+                         "or give the tokenizer with --tokenizer")
+    return candidate
 
 
 def _resolve(path: Path, backend: str, manifest: dict | None) -> tuple[Path, Path | None]:

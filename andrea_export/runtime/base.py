@@ -50,6 +50,9 @@ def check_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:
         raise InputError(f"{what} must be a flat sequence of token ids, got an array of shape {list(arr.shape)}")
     if arr.size == 0:
         raise InputError(f"{what} is empty: give at least one token id")
+    if arr.dtype == object and all(isinstance(x, int) and not isinstance(x, bool) for x in arr):
+        i = next(i for i, x in enumerate(arr) if not 0 <= x < vocab_size)  # ints past int64: numpy keeps objects
+        raise InputError(f"{what} token id {arr[i]} at position {i} is outside the vocabulary [0, {vocab_size})")
     if not np.issubdtype(arr.dtype, np.integer):
         raise InputError(f"{what} must hold integer token ids, got {arr.dtype}")
     bad = np.flatnonzero((arr < 0) | (arr >= vocab_size))

@@ -79,7 +79,16 @@ class OrtSession(Session):
         on_gpu = self.session.get_providers()[0] == "CUDAExecutionProvider"
         self.device = ("cuda", 0) if on_gpu else ("cpu", 0)
 
+    def close(self) -> None:
+        """Let go of the InferenceSession: ONNX Runtime frees it once the calls in flight (each holds it)
+        have ended; a later call is refused."""
+        self.session = None
+
     def _steps(self, capacity: int | None = None):
+        if self.session is None:
+            from ..errors import InputError
+
+            raise InputError(f"{self.source}: this session is closed; load a new one")
         if self.layout.shared:
             return contextlib.nullcontext(_InplaceSteps(self, capacity or self.layout.n_positions))
         return contextlib.nullcontext(_OrtSteps(self))

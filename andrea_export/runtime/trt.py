@@ -103,15 +103,11 @@ def _ok(cudart, result, what: str):
 def _refit_if_stripped(trt, engine, engine_path: Path) -> None:
     """A weight-stripped engine (its .plan.json says so) gets its weights from the ONNX beside it
     (engine/refit.py, which imports nothing of the builder: a runtime loads without the build machinery)."""
-    import json
-
     from ..engine.refit import refit_stripped, sidecar_path
+    from ..userfiles import MAX_JSON_BYTES, read_json
 
     side = sidecar_path(engine_path)
-    try:
-        info = json.loads(side.read_text()) if side.is_file() else {}
-    except ValueError as e:
-        raise InputError(f"{side}: not valid JSON ({e})") from None
+    info = read_json(side, MAX_JSON_BYTES, "an engine sidecar", InputError) if side.is_file() else {}
     if isinstance(info, dict) and info.get("weights_stripped"):
         refit_stripped(trt, engine, engine_path, info)
 

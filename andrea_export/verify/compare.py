@@ -122,7 +122,14 @@ class VerifyReport:
 
     @classmethod
     def load(cls, path: str | Path) -> "VerifyReport":
-        return cls(**json.loads(Path(path).read_text()))
+        from ..errors import BuildError
+        from ..userfiles import MAX_JSON_BYTES, read_json
+
+        data = read_json(path, MAX_JSON_BYTES, "a verification report", BuildError)
+        try:
+            return cls(**data)
+        except TypeError as e:  # not the fields of a report
+            raise BuildError(f"{path}: not a verification report written by this andrea-export ({e})") from None
 
     def save(self, path: str | Path) -> Path:
         return write_text_atomic(path, json.dumps(self.to_dict(), indent=2) + "\n")

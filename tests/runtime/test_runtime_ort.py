@@ -218,3 +218,21 @@ def test_verify_decoder_in_half_precision(lively_model, build_dir, tmp_path, pre
     report = verify_decoder(lively_model, graph, [[5, 6, 7, 8, 9], [300, 200]], steps=4, **TOLERANCES[precision])
     assert report["passed"], report
     assert all(s["max_abs_logits"] > 0 for s in report["per_step"])  # really computed in the lower precision
+
+
+def test_a_closed_session_refuses_calls_and_lets_go_of_onnx_runtime(build_dir):
+    import gc
+    import weakref
+
+    sess = runtime.load(build_dir, "onnxruntime")
+    assert sess.generate([1, 2, 3], 2)
+    held = weakref.ref(sess.session)
+    stream = sess.stream([1, 2, 3], 4)  # a call in flight keeps its session until it ends
+    first = next(stream)
+    sess.close()
+    assert len([first, *stream]) == 4
+    gc.collect()
+    assert held() is None, "the closed session still holds ONNX Runtime's"
+    for call in (lambda: sess.generate([1, 2], 1), lambda: sess.forward([1, 2]), lambda: next(sess.stream([1], 1))):
+        with pytest.raises(runtime.InputError, match="this session is closed"):
+            call()

@@ -238,7 +238,7 @@ def write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend:
             else:
                 _place(artifact, version / "model.onnx", hardlink)
         shutil.copyfile(manifest_path, model_dir / PROVENANCE)
-        (model_dir / "config.pbtxt").write_text(config)
+        (model_dir / "config.pbtxt").write_text(config, encoding="utf-8")
         if final.exists():  # empty, or overwrite=True: one swap; the old one is removed with tmp_root
             swap_folders(model_dir, final)
         else:
