@@ -83,7 +83,9 @@ seed_option = click.option("--seed", type=click.IntRange(min=0), default=0, show
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="andrea-export")
-def main():
+@click.option("-v", "--verbose", is_flag=True, help="Also show the libraries' own log lines (ONNX Runtime's quantizer, "
+              "onnxscript's optimizer, ...), which are hidden otherwise.")
+def main(verbose):
     """ANDREA-120M from PyTorch to verified ONNX and TensorRT engines.
 
     \b
@@ -100,6 +102,22 @@ def main():
     Single stages: `export` (PyTorch -> ONNX), `verify FILE.onnx` (Polygraphy vs PyTorch).
     Without --checkpoint the weights are seeded random ones, announced on stderr.
     """
+    _quiet_libraries(verbose)
+
+
+def _quiet_libraries(verbose: bool) -> None:
+    """Only our own progress and messages reach the terminal: the libraries' log records go to a root
+    handler installed first, at ERROR (INFO with --verbose). A library's later logging.basicConfig(level=INFO)
+    (ONNX Runtime's quantizer does it on import, and onnxscript and onnx_ir then log every pass) finds the
+    root configured and changes nothing."""
+    import logging
+
+    root = logging.getLogger()
+    if not root.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(levelname)s: %(message)s"))
+        root.addHandler(handler)
+    root.setLevel(logging.INFO if verbose else logging.ERROR)
 
 
 @main.command()
@@ -299,8 +317,9 @@ def inspect(path, as_json):
 @click.option("--dynamic-batching/--no-dynamic-batching", default=True, show_default=True)
 @click.option("--instances", type=click.IntRange(min=1), default=1, show_default=True,
               help="Model instances (per GPU with --kind gpu).")
-@click.option("--kind", type=click.Choice(["gpu", "cpu"]), default="gpu", show_default=True,
-              help="Instance kind: KIND_GPU or KIND_CPU (ONNX Runtime only).")
+@click.option("--kind", type=click.Choice(["gpu", "cpu"]), default=None,
+              help="Instance kind: KIND_GPU or KIND_CPU (ONNX Runtime only). [default: gpu on a machine with an "
+                   "NVIDIA GPU, else cpu, said when chosen]")
 @click.option("--overwrite", is_flag=True, help="Replace REPO/NAME if it exists.")
 @click.option("--allow-failed", is_flag=True, help="Package a build whose verification failed.")
 @click.option("--copy", "copy_files", is_flag=True, help="Copy the artifact instead of hard-linking it.")
@@ -315,7 +334,15 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
     """
     from .deploy.triton import package as write_package
+    from .errors import gpu_compute_capability
 
+    if kind is None:
+        kind = "gpu" if gpu_compute_capability() is not None else "cpu"
+        if kind == "cpu":
+            from .progress import warn
+
+            warn("no GPU on this machine: packaging for CPU instances (KIND_CPU, ONNX Runtime); give --kind gpu "
+                 "for a GPU server")
     for model_dir in write_package(build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
                                    dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us,
                                    instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
@@ -331,11 +358,16 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 @click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="A tokenizer.json (Hugging Face `tokenizers`; the 'text' extra): encodes --prompt, decodes the "
                    "output. Default: the build folder's, if it was built with one.")
-@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True)
-@click.option("--strategy", type=click.Choice(["greedy", "top-k", "top-p"]), default="greedy", show_default=True)
-@click.option("--temperature", type=float, default=1.0, show_default=True)
-@click.option("--top-k", type=int, default=50, show_default=True)
-@click.option("--top-p", type=float, default=0.9, show_default=True)
+@click.option("-n", "--max-new-tokens", type=click.IntRange(min=1), default=64, show_default=True,
+              help="New tokens per prompt (a prompt stops earlier at a --stop-id); prompt + new must fit the context.")
+@click.option("--strategy", type=click.Choice(["greedy", "top-k", "top-p"]), default="greedy", show_default=True,
+              help="greedy: the likeliest token each step (deterministic); top-k / top-p: sample (see --seed).")
+@click.option("--temperature", type=float, default=1.0, show_default=True,
+              help="Sampling only: logits are divided by it (below 1 sharper, above 1 flatter).")
+@click.option("--top-k", type=int, default=50, show_default=True,
+              help="top-k only: sample among the k likeliest tokens.")
+@click.option("--top-p", type=float, default=0.9, show_default=True,
+              help="top-p only: sample among the likeliest tokens whose probabilities add up to p (nucleus).")
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed for top-k/top-p sampling (reproducible output); each prompt gets the tokens it gets alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
@@ -481,11 +513,12 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
         rows = bench_report.compare(*compare)
         click.echo(bench_report.compare_markdown(rows, compare[0].parent.name or "A", compare[1].parent.name or "B"))
         return
-    doc = bench_mod.run_benchmark(
+    bench_mod.run_benchmark(
         config, checkpoint, seed=seed, quick=quick, threads=threads, out=out,
         backends=bench_mod.parse_names(backends, bench_mod.BACKENDS, "backend"),
         scenarios=bench_mod.parse_names(scenarios, bench_mod.SCENARIOS, "scenario"),
         prefill_grid=prefill_grid, decode_grid=decode_grid,
         trt_engines=bench_mod.parse_engine_specs(trt_engines), ort_spin=spin,
     )
-    click.echo(bench_report.to_markdown(doc))
+    # the goals were printed, the files written: the whole report (a table per scenario) is in bench.md
+    click.echo(f"report: {out / 'bench.md'} (tables of every case, peers, goals); plots and bench.json beside it")

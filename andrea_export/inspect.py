@@ -35,11 +35,23 @@ def _describe_build(folder: Path) -> dict:
             refused = str(e)
     return {"kind": "build", "path": str(folder), "status": m["status"], "model": m["model"]["name"],
             "precision": m["precision"], "weights": m["weights"], "builder": m["builder"], "profiles": m["profiles"],
+            "decoder_profiles": _decoder_profiles(folder, m),
             "plugin": m["plugin"], "verification": m["verification"],
             "artifacts": {r: f"{a['path']} ({a['bytes'] / 1e6:,.1f} MB)" for r, a in m["artifacts"].items()},
             "integrity": (f"CHANGED since the build: {', '.join(altered)}" if altered else f"REFUSED: {refused}" if refused
                           else "every artifact matches its sha256"),
             "intact": not altered and not refused}
+
+
+def _decoder_profiles(folder: Path, m: dict) -> dict | None:
+    """The decoder engine's profiles (prefill, decode), from its sidecar; None without a decoder engine."""
+    from .folder.reader import read_engine_info
+
+    if "decoder_engine_info" not in m["artifacts"]:
+        return None
+    profiles = read_engine_info(folder / m["artifacts"]["decoder_engine_info"]["path"]).get("profiles") or []
+    return {p.get("name", str(i)): {t: f"min {s['min']} opt {s['opt']} max {s['max']}" for t, s in p["shapes"].items()}
+            for i, p in enumerate(profiles) if isinstance(p, dict) and isinstance(p.get("shapes"), dict)}
 
 
 def _describe_onnx(path: Path) -> dict:
@@ -90,17 +102,33 @@ def _describe_engine(path: Path) -> dict:
 
 
 def print_description(d: dict) -> None:
-    from rich.pretty import Pretty
-
+    """`d` as a person reads it: one `key: value` line each, nested values indented below their key, lists
+    of plain values on one line (`--json` gives the dict itself)."""
     from .progress import console, styled
 
     title = {"build": "Build folder", "onnx": "ONNX model", "engine": "TensorRT engine"}[d["kind"]]
     console.print(styled(title, "bold"), d["path"])
     for k, v in d.items():
-        if k in ("kind", "path", "intact"):
-            continue
-        if isinstance(v, (dict, list)):
-            console.print(styled(f"{k}:", "cyan"))
-            console.print(Pretty(v, indent_guides=False), soft_wrap=False)
+        if k not in ("kind", "path", "intact"):
+            _print_field(console, styled, k, v, 0)
+
+
+def _print_field(console, styled, key, value, depth: int) -> None:
+    pad = "  " * depth
+    plain = (str, int, float, bool, type(None))
+    if isinstance(value, dict) and value:
+        console.print(styled(f"{pad}{key}:", "cyan"))
+        for k, v in value.items():
+            _print_field(console, styled, k, v, depth + 1)
+    elif isinstance(value, list) and value and not all(isinstance(x, plain) for x in value):
+        console.print(styled(f"{pad}{key}:", "cyan"))
+        for i, v in enumerate(value):
+            _print_field(console, styled, f"[{i}]", v, depth + 1)
+    else:
+        if value in ({}, [], None):
+            shown = "none"
+        elif isinstance(value, list):  # a shape stays a shape; names are listed
+            shown = str(value) if all(isinstance(x, int) for x in value) else ", ".join(map(str, value))
         else:
-            console.print(styled(f"{k}:", "cyan"), str(v))
+            shown = str(value)
+        console.print(styled(f"{pad}{key}:", "cyan"), shown)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import PRESETS, load_config
-from .errors import AndreaExportError, BuildError, ConfigError
+from .errors import AndreaExportError, BuildError, CheckpointError, ConfigError
 from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
 from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
@@ -441,6 +441,11 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         check_folder_weights(folder, m)  # every graph points only into recorded, unchanged weights files
         cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
         check_inputs(cfg, shapes, greedy_steps)
+        if checkpoint is None and m["weights"].get("kind") == "checkpoint":
+            raise CheckpointError(f"{folder}: its weights came from a checkpoint (sha256 "
+                                  f"{str(m['weights'].get('sha256'))[:12]}...); a path recorded in a folder is never "
+                                  "opened (the folder may come from anyone), so pass the checkpoint yourself: "
+                                  f"{verify_command(m, folder)}")
         model = model_for(m["weights"], cfg, checkpoint, what=str(folder))
         paths = {role: a["path"] for role, a in m["artifacts"].items()}
         needed = ["onnx", "onnx_plugin", "engine", "engine_info"] + (["decoder_engine_info"] if "decoder_engine" in paths else [])
@@ -504,6 +509,18 @@ def _hash_artifacts(folder: Path, artifacts: dict[str, str]) -> dict:
             for role, name in artifacts.items()}
 
 
+def verify_command(manifest: dict, out: Path) -> str:
+    """The command that verifies the build `out` again: with its checkpoint, when it was built from one (the
+    path as the build was given it; a recorded path is shown, never opened, since a folder may come from anyone)."""
+    import shlex
+
+    command = f"andrea-export verify {shlex.quote(str(out))}"
+    if (manifest.get("weights") or {}).get("kind") != "checkpoint":
+        return command
+    ckpt = (manifest.get("options") or {}).get("checkpoint")
+    return command + f" --checkpoint {shlex.quote(ckpt) if isinstance(ckpt, str) else 'CHECKPOINT'}"
+
+
 def print_build_summary(manifest: dict, out: Path) -> None:
     from rich.table import Table
 
@@ -519,6 +536,10 @@ def print_build_summary(manifest: dict, out: Path) -> None:
     console.print(f"engine: {b['name']} {b['version']}, {manifest['precision']}, targets "
                   f"{', '.join(b['compute_capabilities']) or 'this GPU'}{built}; "
                   f"plugin calls in the graph: {manifest['plugin'].get('calls', '?')}")
+    if ppl := (manifest.get("verification") or {}).get("perplexity"):
+        console.print("perplexity on the evaluation text: " + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()))
+    if isinstance(manifest.get("build_seconds"), (int, float)):
+        console.print(f"total: {manifest['build_seconds']:.0f} s")
     status = manifest["status"]
     if status == "passed":
         console.print(styled("PASSED", "bold green") + ": every artifact, the engine included, matches PyTorch")
@@ -528,7 +549,8 @@ def print_build_summary(manifest: dict, out: Path) -> None:
             reasons.setdefault(s["reason"], []).append(s["artifact"])
         warn("the ONNX graphs match PyTorch, but the engines could not run here: "
              + "; ".join(f"{', '.join(names)}: {reason}" for reason, names in reasons.items()))
-        console.print(styled("ENGINE UNVERIFIED", "bold yellow") + ": run `andrea-export verify BUILD_DIR` on a GPU host of the target kind")
+        console.print(styled("ENGINE UNVERIFIED", "bold yellow") + f": run `{verify_command(manifest, out)}` on a GPU host "
+                      "of the target kind")
     else:
         console.print(styled("FAILED", "bold red") + ": verification failed; see verify.json. The folder is kept for inspection, "
                       "and its manifest says failed.")

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from andrea_export.cli import main
@@ -53,3 +54,37 @@ def test_generate_several_prompts(lively_decoder):
     result = CliRunner().invoke(main, ["generate", str(folder), "--prompt-ids", "1", "--prompt-ids", "8449"])
     assert result.exit_code == 1
     assert "error: request 1: prompt token id 8449 at position 0 is outside the vocabulary [0, 8449)" in result.output
+
+
+_NOISY = r"""
+import logging, sys
+from andrea_export.cli import main
+
+@main.command("noisy")
+def noisy():
+    logging.basicConfig(level=logging.INFO)  # what ONNX Runtime's quantizer does when it is imported
+    logging.getLogger("onnx_ir.passes.common.unused_removal").info("Removed 55 unused nodes")
+    print("ours")
+
+main(sys.argv[1:])
+"""
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_library_log_lines_reach_the_terminal_only_with_verbose(verbose):
+    """An int4 build printed about 90 '[INFO]' lines of onnxscript and onnx_ir through the progress display."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _NOISY, *(["-v"] if verbose else []), "noisy"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout == "ours\n", run.stderr
+    assert ("Removed 55 unused nodes" in run.stderr) == verbose, run.stderr
+
+
+def test_inspect_reads_as_text_with_both_engines_profiles(lively_build):
+    result = CliRunner().invoke(main, ["inspect", str(lively_build)])
+    assert result.exit_code == 0, result.output
+    assert "{'" not in result.output and "['" not in result.output  # no Python reprs
+    for line in ("decoder_profiles:", "prefill:", "decode:", "input_ids: min [1, 1]", "compute_capabilities: 8.0, 8.6"):
+        assert line in result.output, result.output

@@ -712,3 +712,14 @@ def test_inspect_does_not_call_a_linked_weights_file_intact(scene, link):
         os.link(weights, scene.root / "another-name.data")
     out = cli("inspect", scene.evil, says="weights.fp32.data")
     assert "every artifact matches" not in out
+
+
+@pytest.mark.parametrize("command", ["inspect", "verify", "generate", "package"])
+def test_a_manifest_nested_too_deep_is_one_clear_error_in_every_command(scene, command, tmp_path):
+    (scene.evil / "manifest.json").write_text('{"a": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    args = {"inspect": [], "verify": ["--greedy-steps", "0"], "generate": ["--prompt-ids", "1", "-n", "1"],
+            "package": ["--triton", str(tmp_path / "repo")]}[command]
+    if command == "package" and not TRITON:
+        pytest.skip("the 'triton' extra (tritonclient) writes Triton configs")
+    with untouched(scene):
+        cli(command, scene.evil, *args, says=("manifest.json", "deeper than 64"))

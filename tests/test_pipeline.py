@@ -1,5 +1,6 @@
 import errno
 import json
+import shutil
 
 import pytest
 from click.testing import CliRunner
@@ -283,3 +284,20 @@ def test_text_options_are_checked_before_work(demo_dir, tmp_path):
     with pytest.raises(ConfigError, match="not a readable tokenizer.json"):
         run_build(BuildOptions(**base, tokenizer=str(bad)))
     assert not (tmp_path / "b").exists()
+
+
+def test_verify_of_a_checkpoint_build_says_the_command_with_its_checkpoint(lively_build, tmp_path):
+    """The README's own flow: a build from a checkpoint, then `verify BUILD`. The recorded path is shown, not
+    opened (a folder may come from anyone); the command it gives works as printed."""
+    import shlex
+
+    folder = tmp_path / "copy"
+    shutil.copytree(lively_build, folder)
+    recorded = json.loads((folder / "manifest.json").read_text())["options"]["checkpoint"]
+    result = CliRunner().invoke(main, ["verify", str(folder), "--greedy-steps", "0", "--shapes", "1x2"])
+    assert result.exit_code == 1
+    text = " ".join(result.output.split())
+    assert f"andrea-export verify {folder} --checkpoint {recorded}" in text, text
+    command = shlex.split(text[text.index("andrea-export verify"):])[1:]
+    again = CliRunner().invoke(main, [*command, "--greedy-steps", "0", "--shapes", "1x2"])
+    assert again.exit_code == 0, again.output

@@ -521,6 +521,7 @@ def test_cli_spin_reaches_every_ort_backend(tmp_path, flag, spinning):
                                        "--scenarios", "prefill", "--prefill-grid", "1x8", "--threads", "1", "--out",
                                        str(out)] + ([flag] if flag else []))
     assert result.exit_code == 0, result.output
+    assert f"report: {out / 'bench.md'}" in result.output and "| backend |" not in result.output  # no table dump
     doc = json.loads((out / "bench.json").read_text())
     assert doc["backends"]["ort-cpu"]["spin_wait"] is spinning
     assert doc["settings"]["gap_s"] == (bench.Settings().spin_gap_s if spinning else bench.Settings().gap_s)

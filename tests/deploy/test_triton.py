@@ -306,7 +306,7 @@ def test_existing_model_folder_is_refused_unless_overwrite(tmp_path, onnx_only):
     (repo / "m" / "7" / "model.plan").write_bytes(b"someone else's model")
     with pytest.raises(PackageError) as e:
         write_triton_repo(build, repo, name="m")
-    assert str(e.value) == f"{repo / 'm'} already exists and is not empty; pass overwrite=True (--overwrite) to replace it"
+    assert str(e.value) == f"{repo / 'm'} already exists and is not empty; replace it with --overwrite (overwrite=True from Python)"
     assert (repo / "m" / "7" / "model.plan").read_bytes() == b"someone else's model"
 
     write_triton_repo(build, repo, name="m", overwrite=True)
@@ -342,7 +342,7 @@ def test_changed_artifact_failed_build_and_bad_arguments(tmp_path, onnx_only):
         write_triton_repo(failed, tmp_path / "repo")
     assert str(e.value) == (
         f"{failed}: this build failed verification (manifest status 'failed'); refusing to package it for serving. "
-        "Fix the build, or pass allow_failed=True (--allow-failed) to package it anyway"
+        "Fix the build, or package it anyway with --allow-failed (allow_failed=True from Python)"
     )
     assert read_config(write_triton_repo(failed, tmp_path / "repo", kind="cpu", allow_failed=True)).parameters[
         "andrea.verification"

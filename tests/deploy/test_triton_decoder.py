@@ -166,3 +166,17 @@ def test_a_weight_stripped_decoder_engine_is_never_served_by_tensorrt(lively_bui
     assert parse_config((model_dir / "config.pbtxt").read_text()).platform == "onnxruntime_onnx"
     with pytest.raises(PackageError, match="weight-stripped"):
         write_triton_decoder(trt, tmp_path / "repo2", backend="tensorrt", kind="gpu")
+
+
+def test_package_without_kind_on_a_machine_without_a_gpu_packages_for_the_cpu_and_says_so(lively_build, tmp_path):
+    from andrea_export.cli import main
+    from andrea_export.errors import gpu_compute_capability
+
+    if gpu_compute_capability() is not None:
+        pytest.skip("this machine has a GPU: the default kind is gpu there")
+    repo = tmp_path / "repo"
+    result = CliRunner().invoke(main, ["package", str(lively_build), "--triton", str(repo)])
+    assert result.exit_code == 0, result.output
+    assert "no GPU on this machine" in " ".join(result.output.split()), result.output
+    configs = [p.read_text() for p in repo.glob("*/config.pbtxt")]
+    assert len(configs) == 2 and all("KIND_CPU" in c and "KIND_GPU" not in c for c in configs)

@@ -152,14 +152,13 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
     assert report["decoder"]["passed"] and report["decoder"]["artifact"] == a["decoder_onnx"]
 
 
+@pytest.mark.parametrize("quantized_build", ["int4"], indirect=True)  # the int4 build only: no skipped twin
 def test_generate_runs_on_the_int4_decoder(quantized_build, lively_prompt):
     """generate decodes with the int4 KV-cache decoder, token for token what the int4 standard graph
     picks when it recomputes everything (the same quantized weights, no cache)."""
     from andrea_export import runtime
 
     precision, out, manifest = quantized_build
-    if precision != "int4":
-        pytest.skip("the int4 build is the one generate is checked on")
     result = CliRunner().invoke(main, ["generate", str(out), "--prompt", "The for statement", "-n", "12",
                                        "--backend", "onnxruntime"])
     assert result.exit_code == 0, result.output
@@ -198,12 +197,11 @@ def test_verification_runs_the_qdq_graph_as_the_engine_computes_it(tiny_onnx, tm
     assert not np.allclose(got, _run(nbits, ids), atol=1e-4, rtol=1e-4)  # ONNX Runtime's int8 x int8 nodes differ
 
 
+@pytest.mark.parametrize("quantized_build", ["int8"], indirect=True)  # one weight-only build is enough here
 def test_verify_cli_reverifies_a_quantized_build_with_its_decoder(quantized_build, demo_dir):
     """`verify BUILD` re-measures the folder and prints its summary, the KV-cache decoder's line included
     (that line concatenated a str and a rich Text: a TypeError for every build with a decoder)."""
     precision, out, _ = quantized_build
-    if precision != "int8":
-        pytest.skip("one weight-only build is enough for the command")
     result = CliRunner().invoke(main, ["verify", str(out), "--checkpoint", str(demo_dir / "model.safetensors"),
                                        "--shapes", "1x8", "--greedy-steps", "2"])
     assert result.exit_code == 0, result.output + repr(result.exception)

@@ -84,7 +84,7 @@ def check_status(build_dir: Path, manifest: dict, allow_failed: bool, what: str)
     if status == "failed" and not allow_failed:
         raise PackageError(
             f"{build_dir}: this build failed verification (manifest status 'failed'); refusing to package "
-            f"{what}. Fix the build, or pass allow_failed=True (--allow-failed) to package it anyway"
+            f"{what}. Fix the build, or package it anyway with --allow-failed (allow_failed=True from Python)"
         )
     return status
 
@@ -219,7 +219,7 @@ def write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend:
     if final.is_symlink() or final.is_file():
         raise PackageError(f"{final} exists and is not a folder; remove it or choose another name")
     if final.is_dir() and any(final.iterdir()) and not overwrite:
-        raise PackageError(f"{final} already exists and is not empty; pass overwrite=True (--overwrite) to replace it")
+        raise PackageError(f"{final} already exists and is not empty; replace it with --overwrite (overwrite=True from Python)")
     repo.mkdir(parents=True, exist_ok=True)
     tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=_staging_parent(repo)))
     try:
