@@ -174,6 +174,15 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
     in it is verified again, the engine too where it can run (on a GPU host of the kind it was built
     for), and verify.json and the manifest's status are updated.
 
+    \b
+    What a build folder's verification re-reads:
+      manifest.json         every artifact's sha256 first: a file changed since the build is refused
+      the graphs            model.onnx, model.plugin.onnx, the decoders, and the weights files they
+                            point into (only recorded ones); the engines where this machine runs them
+      eval.txt, tokenizer   the build's own copies, for the perplexity (when it was built with them)
+      the weights           a build from a checkpoint needs it again: --checkpoint (its sha256 must
+                            match the manifest's); a random-weights build re-creates them from its seed
+
     Compares logits with explicit tolerances (max/mean/median absolute and relative error), top-1 and
     top-5 agreement of next-token predictions, the KL divergence of the next-token distributions, and
     greedy decoding. Exits 1 if any check fails.

@@ -274,9 +274,9 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
     threads = doc["settings"].get("threads")
 
     pre = [r for r in doc["rows"] if r["scenario"] == "prefill"]
-    if pre:
-        batches = sorted({r["batch"] for r in pre})
-        fig, axes = plt.subplots(1, len(batches), figsize=(4.5 * len(batches), 4), squeeze=False)
+    batches = [b for b in sorted({r["batch"] for r in pre}) if len({r["seq"] for r in pre if r["batch"] == b}) > 1]
+    if batches:  # a panel per batch with at least two lengths (a curve over length is the point)
+        fig, axes = plt.subplots(1, len(batches), figsize=(max(4.5 * len(batches), 9), 4.5), squeeze=False)
         for ax, b in zip(axes[0], batches):
             rows = [r for r in pre if r["batch"] == b]
             for backend in dict.fromkeys(r["backend"] for r in rows):
@@ -287,25 +287,26 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
             floor = sorted({(r["seq"], r["floor_ms"]) for r in rows if r.get("floor_ms")})
             if floor:
                 ax.plot([f[0] for f in floor], [f[1] for f in floor], "k--", label="floor (measured limits)")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            _log2_ticks(ax, {r["seq"] for r in rows})
+            _log_y(ax)
             ax.set_xlabel("sequence length (tokens)")
             ax.set_ylabel("latency (ms)")
             ax.set_title(f"prefill, batch {b}")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
         fig.suptitle(f"{name}: prefill latency ({threads} threads)")
-        fig.tight_layout()
+        _legend_below(fig, axes[0])
         written.append(_save(fig, out_dir / "prefill_latency.png", plt))
 
     dec = [r for r in doc["rows"] if r["scenario"] == "decode" and r.get("tokens_per_s")]
     gen = [r for r in doc["rows"] if r["scenario"] == "generate" and r.get("tokens_per_s")]
+    # a panel per past length (and one for generation) that has at least two batch sizes: a curve over
+    # batch is the point; single-batch cases are in bench.md and the peers plot
     pasts = [p for p in sorted({r["past"] for r in dec}) if len({r["batch"] for r in dec if r["past"] == p}) > 1]
-    panels = [("decode", p) for p in pasts] + ([("generate", None)] if gen else [])
+    panels = [("decode", p) for p in pasts] + ([("generate", None)] if len({r["batch"] for r in gen}) > 1 else [])
     if panels:
         backends = list(dict.fromkeys(r["backend"] for r in dec + gen if r["backend"] != "mem-read"))
         color = {b: f"C{i}" for i, b in enumerate(backends)}
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 4), squeeze=False, sharey=True)
+        fig, axes = plt.subplots(1, len(panels), figsize=(max(4.2 * len(panels), 9), 4.5), squeeze=False, sharey=True)
         for ax, (scen, past) in zip(axes[0], panels):
             rows = [r for r in (dec if scen == "decode" else gen) if past is None or r["past"] == past]
             for backend in dict.fromkeys(r["backend"] for r in rows):
@@ -316,15 +317,16 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
             ceil = sorted({(r["batch"], 1000.0 * r["batch"] / r["floor_ms"]) for r in rows if r.get("floor_ms")})
             if scen == "decode" and ceil:
                 ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", linewidth=1, label="ceiling: batch / floor")
-            ax.set_xscale("log", base=2)
-            ax.set_yscale("log")
+            _log2_ticks(ax, {r["batch"] for r in rows})
+            _log_y(ax)
             ax.set_xlabel("batch")
             ax.set_title(f"one decode step, past {past}" if scen == "decode" else "greedy generation")
             ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=7)
         axes[0][0].set_ylabel("tokens/s")
-        fig.suptitle(f"{name}: decode throughput ({threads} threads)")
-        fig.tight_layout()
+        what = ("decode and generation" if pasts and gen and panels[-1][0] == "generate" else "decode" if pasts
+                else "generation")
+        fig.suptitle(f"{name}: {what} throughput by batch size ({threads} threads)")
+        _legend_below(fig, axes[0])
         written.append(_save(fig, out_dir / "tokens_per_s.png", plt))
     pr = (doc.get("peers") or peers(doc))["ratios"]
     if pr:
@@ -356,6 +358,34 @@ def _peer_plot(ratios: list[dict], name: str, threads, path: Path, plt) -> Path:
     fig.suptitle(f"{name}: the peers on the same weights, same rounds ({threads} threads)")
     fig.tight_layout()
     return _save(fig, path, plt)
+
+
+def _log2_ticks(ax, values) -> None:
+    """A log2 axis labelled with the measured values themselves (8, 32, not 2^3, 2^5)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sorted(values), [str(v) for v in sorted(values)])
+    ax.minorticks_off()
+
+
+def _log_y(ax) -> None:
+    """A log y axis labelled 20, 50, 100 (not 2 x 10^1)."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:g}" if str(f"{v:g}")[0] in "25" else ""))
+
+
+def _legend_below(fig, axes) -> None:
+    """One legend for all panels, below them, where it covers no curve."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    ncol = max(1, min(len(entries), int(fig.get_figwidth() // 2.2)))  # about 2.2 inches an entry
+    rows = -(-len(entries) // ncol)
+    fig.legend(list(entries.values()), list(entries), loc="lower center", ncol=ncol, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, min(0.05 * rows + 0.03, 0.4), 1, 1))
 
 
 def _save(fig, path: Path, plt) -> Path:

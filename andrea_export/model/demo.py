@@ -32,6 +32,7 @@ import torch
 
 from ..config import ANDREA_TINY, ModelConfig
 from ..folder.atomic import cache_dir, write_text_atomic
+from ..progress import step as timed_step
 from . import text
 
 FILES = {"tokenizer": "tokenizer.json", "checkpoint": "model.safetensors", "heldout": "heldout.txt",
@@ -79,12 +80,14 @@ def train_demo(out: str | Path, recipe: Recipe = Recipe(), quiet: bool = False) 
 
     out = Path(out)
     t_wall, t_cpu = time.perf_counter(), time.process_time()
-    train_docs, held_docs = text.corpus()
-    tok = text.train_tokenizer(train_docs)
-    train_ids = text.encode(tok, text.join(train_docs))
-    held_text = text.join(held_docs)
-    cfg = recipe.config
-    wins = text.windows(text.encode(tok, held_text), cfg.n_positions)
+    with timed_step("Collecting the corpus (the interpreter's documentation and docstrings)", quiet=quiet):
+        train_docs, held_docs = text.corpus()
+    with timed_step("Training the BPE tokenizer and encoding the text", quiet=quiet):
+        tok = text.train_tokenizer(train_docs)
+        train_ids = text.encode(tok, text.join(train_docs))
+        held_text = text.join(held_docs)
+        cfg = recipe.config
+        wins = text.windows(text.encode(tok, held_text), cfg.n_positions)
     stream = torch.tensor(train_ids, dtype=torch.long)
     t_tok = time.process_time() - t_cpu
 

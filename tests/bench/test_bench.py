@@ -351,11 +351,28 @@ def test_csv_and_markdown_written(run):
 
 
 def test_png_plots_written(run):
+    """A plot draws curves: tokens/s over the decode grid's two batches; no prefill plot, since no batch of
+    the prefill grid has two lengths (quick mode used to plot single points on a log axis)."""
     pytest.importorskip("matplotlib")
     _, out = run
-    for name in ("prefill_latency.png", "tokens_per_s.png"):
-        data = (out / name).read_bytes()
-        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    data = (out / "tokens_per_s.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    assert not (out / "prefill_latency.png").exists()
+
+
+def test_plots_draw_only_curves_and_keep_the_legend_off_them(run, tmp_path):
+    import copy
+
+    pytest.importorskip("matplotlib")
+    doc, _ = run
+    doc = copy.deepcopy(doc)
+    extra = [dict(r, seq=64) for r in doc["rows"] if r["scenario"] == "prefill" and r["batch"] == 1]
+    doc["rows"] += extra  # batch 1 now has two lengths: a prefill panel; batch 2 still has none
+    files = {p.name for p in bench_report.write_plots(doc, tmp_path)}
+    assert {"prefill_latency.png", "tokens_per_s.png"} <= files
+    only_batch_1 = [r for r in doc["rows"] if r["scenario"] != "decode" or r["batch"] == 1]
+    assert "tokens_per_s.png" not in {p.name for p in bench_report.write_plots({**doc, "rows": only_batch_1},
+                                                                              tmp_path / "b1")}
 
 
 def test_compare_ratios(run):
