@@ -35,7 +35,7 @@ def _describe_build(folder: Path) -> dict:
             refused = str(e)
     return {"kind": "build", "path": str(folder), "status": m["status"], "model": m["model"]["name"],
             "precision": m["precision"], "weights": m["weights"], "builder": m["builder"], "profiles": m["profiles"],
-            "decoder_profiles": _decoder_profiles(folder, m),
+            "decoder_profiles": None if altered else _decoder_profiles(folder, m),  # a changed sidecar is not read
             "plugin": m["plugin"], "verification": m["verification"],
             "artifacts": {r: f"{a['path']} ({a['bytes'] / 1e6:,.1f} MB)" for r, a in m["artifacts"].items()},
             "integrity": (f"CHANGED since the build: {', '.join(altered)}" if altered else f"REFUSED: {refused}" if refused
