@@ -130,8 +130,11 @@ def _quiet_libraries(verbose: bool) -> None:
 @click.option("--hf-folder", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Instead: write a folder Optimum's ORTModelForCausalLM loads (the KV-cache decoder as "
                    "model.onnx, a GPT-2 config.json and generation_config.json).")
+@click.option("--tokenizer", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="With --hf-folder: a tokenizer.json to put in the folder (with its tokenizer_config.json), so "
+                   "that AutoTokenizer.from_pretrained(folder) loads it.")
 @_user_errors
-def export(checkpoint, config, seed, out, opset, hf_folder):
+def export(checkpoint, config, seed, out, opset, hf_folder, tokenizer):
     """Export the model to ONNX: input_ids int64 [batch, seq] -> logits float32 [batch, seq, vocab].
 
     Batch and sequence are dynamic (sequence up to the model's context). The export is deterministic:
@@ -143,11 +146,13 @@ def export(checkpoint, config, seed, out, opset, hf_folder):
     from .graphs.layout import check_onnx
     from .model.checkpoint import load_model
 
+    if tokenizer and not hf_folder:
+        raise click.UsageError("--tokenizer goes with --hf-folder (an ONNX file carries no tokenizer)")
     model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
     if hf_folder:
         from .deploy.optimum import write_hf_folder
 
-        click.echo(write_hf_folder(model, hf_folder))
+        click.echo(write_hf_folder(model, hf_folder, tokenizer=tokenizer))
         return
     export_onnx(model, out, opset=opset)
     counts = op_counts(check_onnx(out))

@@ -18,6 +18,7 @@ DECODER_FILE = "decoder.onnx"  # the KV-cache decoder graph's name inside a buil
 INPLACE_DECODER_FILE = "decoder.inplace.onnx"  # the in-place decoder's (graphs/inplace_decoder.py), fp32
 PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (graphs/kvcache.optimization_profiles)
 TOKENIZER_FILE = "tokenizer.json"  # a build folder's tokenizer (build --tokenizer), Hugging Face format
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # beside it: what transformers and onnxruntime-genai load it as
 EVAL_TEXT_FILE = "eval.txt"  # a build folder's evaluation text (build --eval-text)
 
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")  # every weight and activation in that type (graphs/precision.py)

@@ -280,10 +280,13 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     artifacts: dict[str, str] = {}
     plugin_report = _export_graphs(tmp, model, opts, builder, artifacts)
     _share_weights(tmp, opts.precision, artifacts)
-    for role, src in (("tokenizer", opts.tokenizer), ("eval_text", opts.eval_text)):
-        if src:  # the folder carries them: `verify BUILD` re-measures, `generate --prompt` encodes
-            shutil.copyfile(src, tmp / FILE_OF[role])
-            artifacts[role] = FILE_OF[role]
+    if opts.tokenizer:  # the folder carries it: `generate --prompt` encodes; genai and transformers load it
+        from .model.text import write_tokenizer_files
+
+        artifacts.update(zip(("tokenizer", "tokenizer_config"), write_tokenizer_files(opts.tokenizer, tmp, cfg.n_positions)))
+    if opts.eval_text:  # `verify BUILD` re-measures the perplexity on it
+        shutil.copyfile(opts.eval_text, tmp / FILE_OF["eval_text"])
+        artifacts["eval_text"] = FILE_OF["eval_text"]
 
     # TensorRT builds the plugin graph (our kernel in the engine); TensorRT-RTX, which has no plugin
     # layers, the standard graph (native GELU).

@@ -301,3 +301,18 @@ def test_verify_of_a_checkpoint_build_says_the_command_with_its_checkpoint(livel
     command = shlex.split(text[text.index("andrea-export verify"):])[1:]
     again = CliRunner().invoke(main, [*command, "--greedy-steps", "0", "--shapes", "1x2"])
     assert again.exit_code == 0, again.output
+
+
+def test_a_build_with_a_tokenizer_is_one_genai_and_transformers_tokenize_with(demo_fp16_build):
+    """og.Tokenizer(og.Model(build)) failed for want of tokenizer_config.json; both now encode as we do."""
+    og = pytest.importorskip("onnxruntime_genai", reason="the 'genai' extra")
+    transformers = pytest.importorskip("transformers", reason="the 'hf' extra")
+    from andrea_export.model.text import encode, load_tokenizer
+
+    out, manifest = demo_fp16_build
+    assert {"tokenizer", "tokenizer_config"} <= set(manifest["artifacts"])
+    text = "Return a new list. The name_x(1) \u00e9t\u00e9"
+    ours = encode(load_tokenizer(out / "tokenizer.json"), text)
+    genai = og.Tokenizer(og.Model(str(out)))
+    assert [int(i) for i in genai.encode(text)] == ours and genai.decode(ours) == text
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == ours

@@ -17,10 +17,12 @@ from ..errors import ExportError
 from ..model.gpt2 import CONV1D, GENERATION_CONFIG, HF_CONFIG, hf_config
 
 
-def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, quiet: bool = False) -> Path:
+def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, tokenizer: str | Path | None = None,
+                    quiet: bool = False) -> Path:
     """`out/` with model.onnx (the KV-cache decoder graph), config.json and generation_config.json:
-    `optimum.onnxruntime.ORTModelForCausalLM.from_pretrained(out)` loads it and generates. Assembled in a
-    staging folder and moved in whole."""
+    `optimum.onnxruntime.ORTModelForCausalLM.from_pretrained(out)` loads it and generates. With `tokenizer`
+    (a tokenizer.json) also tokenizer.json and tokenizer_config.json: `AutoTokenizer.from_pretrained(out)`.
+    Assembled in a staging folder and moved in whole."""
     from ..folder.atomic import staging
     from ..graphs.kvcache import export_decoder_onnx
 
@@ -34,6 +36,10 @@ def write_hf_folder(model, out: str | Path, *, eos_token_id: int | None = None, 
         export_decoder_onnx(model, tmp / "model.onnx", quiet=quiet)
         (tmp / HF_CONFIG).write_text(json.dumps(conf, indent=2) + "\n", encoding="utf-8")
         (tmp / GENERATION_CONFIG).write_text(json.dumps(gen, indent=2) + "\n", encoding="utf-8")
+        if tokenizer is not None:
+            from ..model.text import write_tokenizer_files
+
+            write_tokenizer_files(tokenizer, tmp, model.cfg.n_positions)
     return out
 
 

@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import userfiles
 from ..errors import ConfigError, require
-from ..folder.atomic import write_text_atomic
+from ..folder.atomic import write_bytes_atomic, write_text_atomic
 
 VOCAB_SIZE = 8449  # ANDREA's
 EOT = "<|endoftext|>"  # separates documents; id 0
@@ -129,6 +129,27 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int = VOCAB_SIZE):
     if tok.get_vocab_size() != vocab_size:  # the text ran out of pairs seen twice
         raise ConfigError(f"the corpus gave a tokenizer of {tok.get_vocab_size()} tokens, not {vocab_size}")
     return tok
+
+
+def tokenizer_config(n_positions: int) -> dict:
+    """The `tokenizer_config.json` beside a tokenizer.json of ours: a GPT-2 byte-level BPE with EOT as its
+    special token, which transformers' AutoTokenizer and onnxruntime-genai's `og.Tokenizer` need to load it
+    (both encode as `tokenizers` does: tested)."""
+    return {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
+            "add_prefix_space": False, "model_max_length": n_positions}
+
+
+def write_tokenizer_files(tokenizer: str | Path, folder: str | Path, n_positions: int) -> list[str]:
+    """tokenizer.json (checked, then copied) and its tokenizer_config.json into `folder`; their names."""
+    import json
+
+    from ..names import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
+
+    load_tokenizer(tokenizer)  # a readable tokenizer, or a clear error before anything is written
+    write_bytes_atomic(Path(folder) / TOKENIZER_FILE, userfiles.read_bytes(
+        tokenizer, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", ConfigError))
+    write_text_atomic(Path(folder) / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config(n_positions), indent=2) + "\n")
+    return [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
 
 
 def save_tokenizer(tok, path: str | Path) -> Path:
