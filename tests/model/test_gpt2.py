@@ -241,3 +241,24 @@ def test_project_checkpoint_ignores_a_config_json_beside_it(tiny_model, hf_folde
     before = checkpoint_sha256(path)
     shutil.copy(hf_folder / "config.json", tmp_path / "config.json")  # another model's config, 1000-token vocab
     assert load_checkpoint(path).cfg == tiny_model.cfg and checkpoint_sha256(path) == before
+
+
+def test_layer_norm_epsilon_is_read_and_used(tmp_path):
+    """A GPT-2 with layer_norm_epsilon 1e-3 (every other test uses 1e-5): our model's logits are transformers'.
+    A LayerNorm that ignored cfg.layer_norm_eps (a planted bug no test caught) differs by far more."""
+    import dataclasses
+
+    from andrea_export.model.andrea import Andrea
+
+    hf = _gpt2(layer_norm_epsilon=1e-3)
+    hf.save_pretrained(tmp_path / "eps")
+    ours = load_checkpoint(tmp_path / "eps")
+    assert ours.cfg.layer_norm_eps == 1e-3
+    ids = torch.tensor(IDS)
+    with torch.no_grad():
+        got = ours(ids).numpy()
+        wrong = Andrea(dataclasses.replace(ours.cfg, layer_norm_eps=1e-5))
+        wrong.load_state_dict(ours.state_dict())
+        bad = wrong.eval()(ids).numpy()
+    np.testing.assert_allclose(got, _hf_logits(hf, IDS), atol=1e-4, rtol=1e-4)
+    assert np.abs(bad - got).max() > 1e-2  # the check above can fail: the epsilon matters at this size

@@ -211,3 +211,26 @@ def test_driver_version_here():
 
     v = cuda_driver_version()
     assert v is None or v >= 11000  # None on a machine without libcuda, as here
+
+
+def _entry_body(ptx: str, name: str) -> str:
+    found = re.search(r"\.entry " + re.escape(name) + r"\((.*?)\n\}", ptx, re.S)
+    assert found, f"no entry {name} in the PTX"
+    return found.group(1)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_each_dtypes_entry_point_computes_in_that_dtype(ptx_by_arch, bias):
+    """kernel_name's entry for a dtype is the kernel that reads and writes that dtype, judged from the PTX
+    itself: float32 loads .f32 and converts nothing to half; float16 converts through .f16 and never
+    bf16; bfloat16 through .bf16 and never f16. (The only earlier test compared kernel_name with itself,
+    so swapping the f16 and bf16 names went unseen.)"""
+    from andrea_export.plugin.compile import kernel_name
+
+    half = {"float16": re.compile(r"\bcvt\.[a-z.]*(?<!b)f16"), "bfloat16": re.compile(r"\bcvt\.[a-z.]*bf16")}
+    for k in ptx_by_arch.values():
+        for dtype in ("float32", "float16", "bfloat16"):
+            body = _entry_body(k.ptx, kernel_name(dtype, bias))
+            for other, pattern in half.items():
+                assert bool(pattern.search(body)) == (other == dtype), (k.arch, dtype, other)
+            assert ("ld.global.f32" in body) == (dtype == "float32"), (k.arch, dtype)

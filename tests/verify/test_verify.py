@@ -128,3 +128,31 @@ def test_every_precisions_next_token_gate_can_fail(precision):
     next-token gate, even with a KL inside the bound."""
     nowhere = {"top1_agreement": 0.0, "top5_overlap": 0.4, "max_kl": 0.0, "mean_kl": 0.0}
     assert not lm_passed(nowhere, lm_thresholds(precision))
+
+
+class _Shifted(torch.nn.Module):
+    """The model with every logit moved by `delta`: no next-token figure changes (softmax ignores a shift),
+    so only the logit tolerance can catch it."""
+
+    def __init__(self, model, delta: float):
+        super().__init__()
+        self.model, self.delta = model, delta
+
+    def forward(self, ids):
+        return self.model(ids) + self.delta
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_every_precisions_logit_tolerance_can_fail(tiny_model, precision, monkeypatch):
+    """Per precision, logits 3x its atol off fail verify, and would pass a bound 10x looser: loosening any
+    precision's TOLERANCES tenfold (a planted bug no test caught for bf16) makes this test fail."""
+    from andrea_export.verify import thresholds
+    from andrea_export.verify.compare import TorchRunner
+
+    tol = dict(thresholds.TOLERANCES[precision])
+    runners = {"shifted": TorchRunner(_Shifted(tiny_model, 3 * tol["atol"]), "shifted")}
+    report = verify(tiny_model, runners, precision=precision, shapes=[(1, 8)], greedy_steps=0, quiet=True)
+    assert not report.passed, report.comparisons
+    monkeypatch.setitem(thresholds.TOLERANCES, precision, {k: 10 * v for k, v in tol.items()})
+    looser = verify(tiny_model, runners, precision=precision, shapes=[(1, 8)], greedy_steps=0, quiet=True)
+    assert looser.passed, looser.comparisons
