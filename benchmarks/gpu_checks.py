@@ -328,6 +328,31 @@ def trt_vs_torch(plan: Plan) -> Callable[[Checks], Any]:
     return run
 
 
+def session_reload(c: Checks) -> Any:
+    """20 load / generate / close cycles of the runtime's TensorRT session on the plugin build: device memory
+    (cudaMemGetInfo) must come back each time (a service that reloads sessions must not grow)."""
+    from andrea_export import runtime
+    from andrea_export.runtime.trt import _cudart
+
+    out, _ = c.results["plugin engine"]
+    rt = _cudart()
+
+    def free_bytes() -> int:
+        err, free, _total = rt.cudaMemGetInfo()
+        return int(free)
+
+    frees = []
+    for _ in range(20):
+        with runtime.load(out, backend="tensorrt") as sess:
+            sess.generate([1, 2, 3], 4)
+        frees.append(free_bytes())
+    drift = frees[0] - frees[-1]
+    c.row("session reload", "20 TensorRT session load/close cycles", "ok" if drift <= 16 << 20 else "LEAK",
+          f"free device memory after cycle 1 {frees[0] / 2**20:,.0f} MiB, after cycle 20 {frees[-1] / 2**20:,.0f} MiB "
+          f"(drift {drift / 2**20:+.1f} MiB; goal <= 16 MiB)")
+    return drift
+
+
 def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     plan = Plan(tiny)
     big = 0.1 if tiny else 1.0  # the engine sections scale with the model
@@ -341,6 +366,7 @@ def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     c.section("native engine", native_engine(plan, workdir), 90 * big, needs=("plugin engine",))
     c.section("plugin vs native", plugin_vs_native(plan, workdir), 45 * big, needs=("plugin engine", "native engine"))
     c.section("TensorRT vs PyTorch", trt_vs_torch(plan), 1, needs=("PyTorch eager", "plugin vs native"))
+    c.section("session reload", session_reload, 60 * big, needs=("plugin engine",))
 
 
 def main(argv: list[str] | None = None) -> int:

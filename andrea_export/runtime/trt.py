@@ -127,6 +127,7 @@ class TrtSession(SerialSession):
         try:
             self._load(Path(engine_path), cuda_graph)
         except BaseException:  # a session that fails to load frees what it took
+            self._closed = True
             self._release()
             raise
 
@@ -358,13 +359,24 @@ class TrtSession(SerialSession):
 
     def _release(self) -> None:  # SerialSession.close: under the session lock, once
         rt = self.cudart
+        if self.cuda_stream is not None:  # a step that raised part-way may have left work queued on it
+            rt.cudaStreamSynchronize(self.cuda_stream)  # its error, if any, was the step's to report
         if self._graph_exec is not None:
             rt.cudaGraphExecDestroy(self._graph_exec)
             self._graph_exec = None
         for ptr in self._buffers:
             rt.cudaFree(ptr)
         self._buffers = []
-        self.contexts = {}
+        self.contexts = {}  # contexts before their engine, the engine before its runtime: TensorRT's order
+        self.engine = None
+        self._runtime = None
         if self.cuda_stream is not None:
             rt.cudaStreamDestroy(self.cuda_stream)
             self.cuda_stream = None
+
+    def __del__(self):  # a session nobody closed still gives its device memory back
+        if not getattr(self, "_closed", True) and getattr(self, "cudart", None) is not None:
+            try:
+                self.close()
+            except Exception:  # at interpreter exit the CUDA bindings may be gone already
+                pass

@@ -482,3 +482,38 @@ def test_a_replay_after_its_buffers_are_freed_faults(device, graphs, tmp_path):
         sess._decode(1)
     assert device.sticky == cudaError_t.cudaErrorIllegalAddress
     assert "tensor 'present.0.key'" in device.fault
+
+
+@pytest.mark.parametrize("cuda_graph", [False, True], ids=["growing-cache", "cuda-graph"])
+def test_close_lets_go_of_the_engine_and_a_forgotten_session_frees_its_memory(device, graphs, tmp_path, cuda_graph):
+    """A service that reloads sessions must not grow device memory: 20 load/close cycles leave nothing
+    allocated and no engine, runtime or context referenced; a session never closed frees everything when it
+    is collected; close() waits for the stream before it frees (a step that raised part-way may have work
+    queued on it)."""
+    import gc
+    import weakref
+
+    from andrea_export.runtime.trt import TrtSession
+
+    layout, cfg = read_kv_layout(graphs["fp32"]), read_config(graphs["fp32"])
+    plan = write_plan(tmp_path / "decoder.plan", graphs["fp32"], optimization_profiles(layout))
+    calls = []
+    for name in ("cudaStreamSynchronize", "cudaFree"):
+        real = getattr(device, name)
+        setattr(device, name, lambda *a, _real=real, _name=name: (calls.append(_name), _real(*a))[1])
+    for _ in range(20):
+        sess = TrtSession(plan, cfg, layout, cuda_graph=cuda_graph)
+        sess.generate(_prompt(3), 2)
+        held = [weakref.ref(x) for x in (sess.engine, sess._runtime, *sess.contexts.values())]
+        calls.clear()
+        sess.close()
+        assert "cudaFree" in calls and calls.index("cudaStreamSynchronize") < calls.index("cudaFree"), calls
+        gc.collect()
+        assert [r() for r in held] == [None] * len(held), "close() keeps TensorRT objects referenced"
+        _closed_clean(device)
+    forgotten = TrtSession(plan, cfg, layout, cuda_graph=cuda_graph)
+    forgotten.generate(_prompt(3), 2)
+    assert device.live()["allocations"] > 0
+    del forgotten
+    gc.collect()
+    _closed_clean(device)
