@@ -21,7 +21,7 @@ from pathlib import Path
 
 from . import __version__
 from .config import PRESETS, load_config
-from .errors import AndreaExportError, BuildError, CheckpointError, ConfigError
+from .errors import AndreaExportError, BuildError, ConfigError
 from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
 from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
 from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
@@ -444,12 +444,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         check_folder_weights(folder, m)  # every graph points only into recorded, unchanged weights files
         cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
         check_inputs(cfg, shapes, greedy_steps)
-        if checkpoint is None and m["weights"].get("kind") == "checkpoint":
-            raise CheckpointError(f"{folder}: its weights came from a checkpoint (sha256 "
-                                  f"{str(m['weights'].get('sha256'))[:12]}...); a path recorded in a folder is never "
-                                  "opened (the folder may come from anyone), so pass the checkpoint yourself: "
-                                  f"{verify_command(m, folder)}")
-        model = model_for(m["weights"], cfg, checkpoint, what=str(folder))
+        model = model_for(m["weights"], cfg, checkpoint, what=str(folder), command=verify_command(m, folder))
         paths = {role: a["path"] for role, a in m["artifacts"].items()}
         needed = ["onnx", "onnx_plugin", "engine", "engine_info"] + (["decoder_engine_info"] if "decoder_engine" in paths else [])
         if missing := [r for r in needed if r not in paths]:

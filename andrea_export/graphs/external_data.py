@@ -202,8 +202,17 @@ def graph_weights(folder: str | Path, manifest: dict, graph: str | Path, error: 
 
 
 def check_folder_weights(folder: str | Path, manifest: dict, error: type[Exception] = BuildError) -> None:
-    """graph_weights for every ONNX graph the validated `manifest` records: each points only into weights
-    files the manifest records and that still match it (regular files, one link, inside the folder)."""
+    """Every ONNX graph the validated `manifest` records points only into weights files it records, each a
+    plain regular file with one link beside the graph (external_data_files). For a caller that has checked
+    every artifact's sha256 already (changed_artifacts): nothing is hashed a second time."""
+    recorded = {a["path"] for a in manifest["artifacts"].values()}
     for a in manifest["artifacts"].values():
-        if a["path"].endswith(".onnx"):
-            graph_weights(folder, manifest, Path(folder) / a["path"], error)
+        if not a["path"].endswith(".onnx"):
+            continue
+        try:
+            names = sorted(external_data_files(Path(folder) / a["path"]))
+        except AndreaExportError as e:
+            raise error(str(e)) from None
+        if missing := [w for w in names if w not in recorded]:
+            raise error(f"{folder}: {a['path']} points into {', '.join(missing)}, which the manifest does not "
+                        "record; rebuild it")

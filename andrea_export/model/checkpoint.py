@@ -294,10 +294,12 @@ def _check_against(model: Andrea, tensors: dict[str, torch.Tensor], path: Path) 
             )
 
 
-def model_for(source: dict, cfg: ModelConfig | None, checkpoint: str | Path | None = None, what: str = "it") -> Andrea:
+def model_for(source: dict, cfg: ModelConfig | None, checkpoint: str | Path | None = None, what: str = "it",
+              command: str | None = None) -> Andrea:
     """The model whose weights an artifact records as `source` (its `weights_source`): the given
     checkpoint, checked against the recorded sha256, or the recorded seeded random init. Refuses to
-    guess when the artifact came from a checkpoint that is not given. `what` names the artifact."""
+    guess when the artifact came from a checkpoint that is not given. `what` names the artifact; `command`
+    is the command line that would pass the checkpoint, for that message."""
     from ..folder.reader import check_weights_source
 
     if source != {}:  # recorded by whoever wrote the file: checked before it is used ({} means not recorded)
@@ -314,7 +316,9 @@ def model_for(source: dict, cfg: ModelConfig | None, checkpoint: str | Path | No
     if source.get("kind") == "random-init" and cfg is not None:
         return random_init(cfg, seed=source["seed"])
     if source.get("kind") == "checkpoint":
-        raise CheckpointError(f"{what}: its weights came from a checkpoint; pass that checkpoint (--checkpoint)")
+        raise CheckpointError(f"{what}: its weights came from a checkpoint; pass that checkpoint: "
+                              f"{command or '--checkpoint CHECKPOINT'} (sha256 {str(source.get('sha256'))[:12]}...; "
+                              "a path recorded beside the weights is never opened: it may come from anyone)")
     raise CheckpointError(f"{what}: records no weight source (not made by andrea-export); pass --checkpoint and --config")
 
 

@@ -145,9 +145,9 @@ def write_tokenizer_files(tokenizer: str | Path, folder: str | Path, n_positions
 
     from ..names import TOKENIZER_CONFIG_FILE, TOKENIZER_FILE
 
-    load_tokenizer(tokenizer)  # a readable tokenizer, or a clear error before anything is written
-    write_bytes_atomic(Path(folder) / TOKENIZER_FILE, userfiles.read_bytes(
-        tokenizer, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", ConfigError))
+    data = userfiles.read_bytes(tokenizer, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", ConfigError)
+    _parse_tokenizer(userfiles.decode(data, str(tokenizer), "a tokenizer.json", ConfigError), tokenizer)  # first
+    write_bytes_atomic(Path(folder) / TOKENIZER_FILE, data)  # the bytes that were checked, read once
     write_text_atomic(Path(folder) / TOKENIZER_CONFIG_FILE, json.dumps(tokenizer_config(n_positions), indent=2) + "\n")
     return [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE]
 
@@ -158,9 +158,11 @@ def save_tokenizer(tok, path: str | Path) -> Path:
 
 def load_tokenizer(path: str | Path):
     """A tokenizer.json (plain JSON: nothing is executed), with a clear error for anything else."""
+    return _parse_tokenizer(userfiles.read_text(path, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", ConfigError), path)
+
+
+def _parse_tokenizer(text: str, path: str | Path):
     tk = require("tokenizers", "text", "A tokenizer")
-    path = Path(path)
-    text = userfiles.read_text(path, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", ConfigError)
     try:
         return tk.Tokenizer.from_str(text)
     except Exception as e:  # the Rust side raises a bare Exception

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from ..config import ModelConfig
+from ..errors import InputError
 from ..graphs.layout import KVLayout
 from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
 from .base import Session, Steps
@@ -39,8 +40,6 @@ def _providers(requested: list[str] | None, layout: KVLayout, source) -> list[st
 
     if layout.shared:
         if requested and list(requested) != ["CPUExecutionProvider"]:
-            from ..errors import InputError
-
             raise InputError(f"{source}: the in-place decoder runs on ONNX Runtime's CPU provider only (asked for "
                              f"{', '.join(requested)}); for CUDA load the build's decoder.onnx")
         return ["CPUExecutionProvider"]
@@ -86,8 +85,6 @@ class OrtSession(Session):
 
     def _steps(self, capacity: int | None = None):
         if self.session is None:
-            from ..errors import InputError
-
             raise InputError(f"{self.source}: this session is closed; load a new one")
         if self.layout.shared:
             return contextlib.nullcontext(_InplaceSteps(self, capacity or self.layout.n_positions))
