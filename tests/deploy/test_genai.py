@@ -64,7 +64,7 @@ def test_genai_greedy_equals_ours_fp16(lively_decoder, tmp_path, lively_prompt):
 
 def test_genai_takes_a_ragged_batch_padded_on_the_right(lively_build, lively_prompt):
     """The in-place graph's padding rule (GroupQueryAttention's): rows padded at the end with the pad id."""
-    prompts = [lively_prompt, lively_prompt[:3]]
+    prompts = [lively_prompt + lively_prompt[:2], lively_prompt[:3]]  # ragged whatever the prompt's length
     with runtime.load(lively_build, "onnxruntime") as sess:
         ours = sess.generate(prompts, 16)
     model = og.Model(str(lively_build))
@@ -80,7 +80,10 @@ def test_genai_takes_a_ragged_batch_padded_on_the_right(lively_build, lively_pro
     while not gen.is_done():
         gen.generate_next_token()
     assert list(map(int, gen.get_sequence(0))) == prompts[0] + ours[0]
-    assert list(map(int, gen.get_sequence(1))) == prompts[1] + ours[1]  # genai drops the padding from the sequence
+    # genai keeps the padding in the row's sequence and generates after it (it was never seen: the first lively
+    # prompt is 3 tokens long, so prompts[0][:3] was not shorter and the batch was not ragged)
+    assert list(map(int, gen.get_sequence(1))) == prompts[1] + [pad] * (width - len(prompts[1])) + ours[1]
+    assert width > len(prompts[1]), "the batch must be ragged"
 
 
 def test_genai_config_options_are_checked(lively_decoder):
