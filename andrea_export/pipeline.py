@@ -288,9 +288,7 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
         shutil.copyfile(opts.eval_text, tmp / FILE_OF["eval_text"])
         artifacts["eval_text"] = FILE_OF["eval_text"]
 
-    # TensorRT builds the plugin graph (our kernel in the engine); TensorRT-RTX, which has no plugin
-    # layers, the standard graph (native GELU).
-    source = tmp / (artifacts["onnx_plugin"] if builder == "tensorrt" else artifacts.get("onnx_qdq", artifacts["onnx"]))
+    source = tmp / engine_sources(artifacts, builder)["engine"]
     result = build_engine(source, tmp / "model.plan", builder=builder, profiles=profiles, opt_level=opts.opt_level,
                           workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
                           compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)
@@ -329,6 +327,18 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     }
 
 
+def engine_sources(artifacts: dict, builder: str) -> dict[str, str]:
+    """The graph each engine is built from. TensorRT builds the plugin graphs (our kernel in the engine);
+    TensorRT-RTX, which has no plugin layers, the standard ones (native GELU); weight-only precisions give
+    both their Q/DQ form (TensorRT imports no MatMulNBits)."""
+    if builder == "tensorrt":
+        out = {"engine": artifacts["onnx_plugin"], "decoder_engine": artifacts.get("decoder_onnx_plugin")}
+    else:
+        out = {"engine": artifacts.get("onnx_qdq", artifacts["onnx"]),
+               "decoder_engine": artifacts.get("decoder_onnx_qdq", artifacts.get("decoder_onnx"))}
+    return {role: name for role, name in out.items() if name}
+
+
 def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
     """Every ONNX graph of the build: the standard graph (and its fp32 source), the plugin graph, and the
     KV-cache decoder (in the build's precision; its plugin graph for TensorRT). Returns the plugin report."""
@@ -349,8 +359,8 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
         artifacts["onnx_fp32"] = "model.onnx"
     artifacts["onnx"] = standard.name
     for_engine = standard
-    if weight_only:  # TensorRT imports no MatMulNBits: its graphs hold the same weights as DequantizeLinear
-        for_engine = write_qdq(standard, tmp / f"model.{opts.precision}.qdq.onnx")
+    if weight_only:  # TensorRT imports no MatMulNBits: its graphs quantize the fp32 weights as DequantizeLinear
+        for_engine = write_qdq(tmp / "model.onnx", tmp / f"model.{opts.precision}.qdq.onnx", opts.precision)
         artifacts["onnx_qdq"] = for_engine.name
     with step("Handing every tanh-GELU to the plugin (graph pass)"):
         plugin_report = apply_gelu_plugin(for_engine, tmp / for_engine.name.replace(".onnx", ".plugin.onnx"),
@@ -372,7 +382,8 @@ def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
             for_genai = _export_inplace_decoder(tmp, model, opts.precision, artifacts)
         artifacts["genai_config"] = write_genai_config(for_genai).name  # onnxruntime_genai.Model(build_dir) runs it
         if weight_only:
-            decoder = write_qdq(decoder, tmp / f"decoder.{opts.precision}.qdq.onnx")
+            decoder = write_qdq(tmp / artifacts["decoder_onnx_fp32"], tmp / f"decoder.{opts.precision}.qdq.onnx",
+                                opts.precision)
             artifacts["decoder_onnx_qdq"] = decoder.name
         if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
             artifacts["decoder_onnx_plugin"] = apply_gelu_plugin(
@@ -416,7 +427,7 @@ def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict,
     from .engine.builder import build_engine
     from .graphs.kvcache import optimization_profiles
 
-    source = tmp / artifacts.get("decoder_onnx_plugin", artifacts.get("decoder_onnx_qdq", artifacts["decoder_onnx"]))
+    source = tmp / engine_sources(artifacts, builder)["decoder_engine"]
     result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
                           opt_level=opts.opt_level, workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
                           compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)

@@ -13,6 +13,10 @@
   native engine       the native-GELU engine of the same graph
   plugin vs native    prefill of both engines, interleaved (bench harness, CUDA events); goal: within 10 %
   TensorRT vs PyTorch goal: TensorRT >= 3x faster than PyTorch eager
+  session reload      20 load/close cycles of the runtime's TensorRT session: cudaMemGetInfo comes back
+  quantized engines   int8 and int4 builds with full TensorRT (per-channel int8, positive int4 scales),
+                      verified here; every build's decoder gate row by row (CUDA graph captured or why
+                      not, the uncaptured path, the full-context boundary)
 
 Every section is isolated: an exception gives a FAIL row with the error (traceback on stderr) and the next
 section runs; a section that cannot run here (no GPU, no TensorRT, or a section it needs did not finish)
@@ -25,7 +29,8 @@ results): a section starts only when its estimated cost fits in what is left, el
 reason, and an alarm stops a section that overruns the budget. The order is by value per second: the kernel
 sections (about a minute and a half together) first, then PyTorch, then the engines (about 6 minutes),
 which are what a short window drops: the native engine and the engine timings go first, then the plugin
-build. By the estimates the default budget runs every section (about 500 s in all). The estimates are
+build. By the estimates the default budget runs every section but the quantized engines (about 560 s
+with the session reload; the quantized builds need --budget 760, or --tiny, where everything fits). The estimates are
 guesses for ANDREA-120M on one H100/H200-class GPU, not yet measured there; --tiny uses the tiny model.
 
 Exit status: 0 when no row is FAIL (SKIP and SLOW rows do not fail the run), 1 otherwise.
@@ -275,7 +280,50 @@ def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
               f"status {m['status']}; TensorRT {b['version']}, {b['plugin_layers']} plugin layers, built in "
               f"{b['build_seconds']:.0f} s; engine {m['artifacts']['engine']['bytes'] / 1e6:.0f} MB; kernel "
               f"{m['plugin']['kernel']['arch'] if isinstance(m['plugin']['kernel'], dict) else m['plugin']['kernel']}")  # fmt: skip
+        _gate_rows(c, "plugin engine", Path(opts.out or ""))
         return Path(opts.out or ""), m
+
+    return run
+
+
+def _gate_rows(c: Checks, section: str, folder: Path) -> None:
+    """One row per path of the decoder engine's gate (verify/engine.py) as verify.json records it: the CUDA-graph
+    session (captured or not, and why) and the uncaptured one, each with its greedy run and full-context boundary."""
+    report = json.loads((folder / "verify.json").read_text())
+    gate = (report.get("decoder") or {}).get("engine")
+    if not gate:
+        c.row(section, "decoder engine gate", "FAIL", "verify.json has no decoder engine check (was it skipped?)")
+        return
+    for path, r in gate["paths"].items():
+        g, b = r["greedy"], r["boundary"]
+        detail = (f"greedy {g['steps']} tokens: {'agree' if g['agree'] else 'diverge at ' + str(g['first_divergence'])}, "
+                  f"max KL {g['max_kl']:.1e}; prefill of n max|err| {b['prefill_n']['max_abs']:.2e}, decode at past n-2/n-1 "
+                  f"max|err| {b['past_n-2_n-1']['max_abs']:.2e}")
+        if "captured" in r:
+            detail += "; captured" if r["captured"] else f"; capture FAILED: {r['capture_error']}"
+        c.row(section, f"gate: {path}", "ok" if r["passed"] else "FAIL", detail)
+
+
+def quantized_engines(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
+    """int8 and int4 builds with full TensorRT: the Q/DQ graphs TensorRT must import (per-channel int8,
+    positive int4 scales; engine/onnx_rules.py checks them on the CPU, this proves TensorRT takes them) and
+    the engines verified on this GPU, the decoder's gate included."""
+    def run(c: Checks) -> Any:
+        from andrea_export.pipeline import BuildOptions, run_build
+
+        _tensorrt_here()
+        out = {}
+        for precision in ("int8", "int4"):
+            opts = BuildOptions(config=plan.cfg.name, builder="tensorrt", precision=precision, profiles=plan.profile,
+                                out=str(workdir / f"plugin-{precision}"), greedy_steps=16)  # fmt: skip
+            m = run_build(opts, force=True)
+            ppl = (m.get("verification") or {}).get("perplexity")
+            c.row("quantized engines", f"build+verify {precision}", "ok" if m["status"] == "passed" else "FAIL",
+                  f"status {m['status']}; built in {m['builder']['build_seconds']:.0f} s; engine "
+                  f"{m['artifacts']['engine']['bytes'] / 1e6:.0f} MB" + (f"; perplexity {ppl}" if ppl else ""))
+            _gate_rows(c, "quantized engines", Path(opts.out))
+            out[precision] = m["status"]
+        return out
 
     return run
 
@@ -367,6 +415,7 @@ def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     c.section("plugin vs native", plugin_vs_native(plan, workdir), 45 * big, needs=("plugin engine", "native engine"))
     c.section("TensorRT vs PyTorch", trt_vs_torch(plan), 1, needs=("PyTorch eager", "plugin vs native"))
     c.section("session reload", session_reload, 60 * big, needs=("plugin engine",))
+    c.section("quantized engines", quantized_engines(plan, workdir), 200 * big)  # two builds + verification
 
 
 def main(argv: list[str] | None = None) -> int:

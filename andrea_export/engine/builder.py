@@ -127,6 +127,10 @@ def build_engine(
     # Everything that can be checked without TensorRT is checked before it starts.
     graph = _read_graph(onnx_path)
     cfg = _graph_config(graph, onnx_path)
+    if not rtx:  # RTX's parser is laxer than TensorRT's: refuse here what TensorRT would refuse on the GPU host
+        from .onnx_rules import check_tensorrt_import
+
+        check_tensorrt_import(onnx_path)
     if profiles is None:
         profiles = [Profiles.for_model(cfg)] if cfg else [Profiles()]
     elif isinstance(profiles, Profiles):

@@ -29,10 +29,16 @@ is also where most of int4's error comes from: on the trained andrea-tiny with t
 int4's held-out perplexity moves +0.10 % instead of +0.61 %, its top-1 agreement on random ids is 95 %
 instead of 63 % (int8: +0.004 % instead of +0.027 %).
 
-The quantizer is ORT's (no hand-written quantization); `MatMulNBits` runs in ONNX Runtime only:
-TensorRT and TensorRT-RTX do not import it, so `write_qdq` re-lays the same quantized values out as
-standard DequantizeLinear -> MatMul (block-wise, opset 21), which TensorRT-RTX 1.7 builds: it fuses
-each into one dequantize-and-multiply kernel ("ReplCastMulCastFc" in its layer report).
+The quantizer is ORT's; `MatMulNBits` runs in ONNX Runtime only: TensorRT and TensorRT-RTX do not
+import it. The engines get `write_qdq`'s graph instead: the fp32 weights quantized again, in the form full
+TensorRT imports (NvInfer.h, IDequantizeLayer: block quantization for INT4 only, every scale strictly
+positive, symmetric), as standard DequantizeLinear -> MatMul (opset 21): int8 one scale per output column,
+int4 blocks of 32 with each block's scale searched (quantize_symmetric). ORT's values cannot be re-laid
+out for TensorRT: its int8 is block-wise and about half its scales are negative (the symmetric quantizer
+puts a block's extreme on the lowest value whatever its sign). TensorRT-RTX 1.7 builds the same graph,
+fusing each block's pair into one dequantize-and-multiply kernel (int8 "CastMulCastFc", int4
+"ReplCastMulCastFc" in its layer report; the tied head dequantizes in a kernel of its own before its
+MatMul). The accuracy of each form is in verify/thresholds.py; `engine/onnx_rules.py` checks the rules.
 """
 
 from __future__ import annotations
@@ -49,6 +55,10 @@ from ..names import PRECISION_KEY
 
 # precision -> MatMulNBits bits and block size (the block must be a power of 2 >= 16: ORT's kernels)
 QUANT = {"int8": dict(bits=8, block_size=64, accuracy_level=4), "int4": dict(bits=4, block_size=32, accuracy_level=4)}
+# precision -> the engines' Q/DQ layout (to_qdq): int8 per output column, int4 in blocks of 32 along K
+ENGINE_QUANT = {"int8": dict(bits=8, block_size=None), "int4": dict(bits=4, block_size=32)}
+# int4 scale candidates, as multiples of a block's largest magnitude (quantize_symmetric); 1/7 among them
+SCALE_SEARCH = tuple(sorted({*np.linspace(1 / 8, 1 / 6, 17).tolist(), 1 / 7}))
 TIED_HEAD = "lm_head.weight.T"  # the folded transpose of the tied embedding (quantized copy)
 
 
@@ -105,19 +115,20 @@ def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str) 
     return onnx_out
 
 
-def write_qdq(onnx_in: str | Path, onnx_out: str | Path) -> Path:
-    """Write `onnx_out`: the quantize_weights graph `onnx_in` in Q/DQ form (to_qdq), for the engines."""
-    onnx_in, onnx_out = Path(onnx_in), Path(onnx_out)
+def write_qdq(onnx_fp32: str | Path, onnx_out: str | Path, precision: str) -> Path:
+    """Write `onnx_out`: the fp32 graph `onnx_fp32` with its weight MatMuls as TensorRT's Q/DQ of `precision`
+    (to_qdq), for the engines. Metadata is carried over, `andrea.precision` set; written atomically."""
+    onnx_fp32, onnx_out = Path(onnx_fp32), Path(onnx_out)
     external = any(t.data_location == TensorProto.EXTERNAL
-                   for t in onnx.load(str(onnx_in), load_external_data=False).graph.initializer)
-    out = to_qdq(onnx.load(str(onnx_in)))
+                   for t in onnx.load(str(onnx_fp32), load_external_data=False).graph.initializer)
+    out = to_qdq(onnx.load(str(onnx_fp32)), precision)
     with staging(onnx_out.parent) as tmp:
         kw = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
         onnx.save(out, str(tmp / onnx_out.name), **kw)
         try:
             onnx.checker.check_model(str(tmp / onnx_out.name))
         except Exception as e:
-            raise ExportError(f"Q/DQ graph of {onnx_in.name} does not check: {str(e).splitlines()[0]}") from e
+            raise ExportError(f"Q/DQ graph of {onnx_fp32.name} does not check: {str(e).splitlines()[0]}") from e
     return onnx_out
 
 
@@ -171,58 +182,83 @@ def _fold_tied_head(model: onnx.ModelProto) -> None:
         g.node.remove(t)
 
 
-def to_qdq(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The same quantized weights as standard ops, for TensorRT / TensorRT-RTX: every MatMulNBits (of a
-    symmetric quantize_weights graph) becomes DequantizeLinear(int8/int4 [K, N], float32 scales
-    [K / block, N], axis 0, block_size) -> MatMul. A re-layout of ONNX Runtime's quantized values, not a
-    second quantization (ORT's quantizer writes Q/DQ for 4 bits only): both engines get the weights
-    that ONNX Runtime verified. Needs opset 21 (block-wise DequantizeLinear, int4)."""
+def quantize_symmetric(w: np.ndarray, bits: int, block: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """Round-to-nearest symmetric quantization of a [K, N] weight with strictly positive scales, as TensorRT
+    takes them: integers in [-2^(bits-1), 2^(bits-1) - 1] and float32 scales [N] (block None: one per output
+    column) or [K / block, N].
+
+    int8: scale = amax / 127. int4: each block's scale is the one of SCALE_SEARCH (times the block's amax)
+    with the least squared weight error. A positive scale cannot do what ONNX Runtime's negative ones do (put
+    the block's extreme on -8 whatever its sign): on [-8, 7] a positive extreme has 7 steps, and amax / 7
+    (ModelOpt's RTN, one of the candidates) or amax / 8 with the extreme clipped to 7 each lose accuracy
+    (measured in verify/thresholds.py); the search recovers most of it without calibration data."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    K, N = w.shape
+    groups = (w.reshape(K // block, block, N) if block else w.reshape(1, K, N)).astype(np.float32)
+    amax = np.abs(groups).max(axis=1, keepdims=True)
+    amax = np.where(amax > 0, amax, 1.0)  # an all-zero group still gets a valid (positive) scale
+    best = best_err = None
+    for f in (SCALE_SEARCH if bits == 4 else (1 / qmax,)):
+        scale = (amax * f).astype(np.float32)
+        err = ((np.clip(np.rint(groups / scale), qmin, qmax) * scale - groups) ** 2).sum(axis=1, keepdims=True)
+        if best is None:
+            best, best_err = scale, err
+        else:
+            best, best_err = np.where(err < best_err, scale, best), np.minimum(err, best_err)
+    q = np.clip(np.rint(groups / best), qmin, qmax).reshape(K, N)
+    scale = best[:, 0, :]
+    return q, (scale if block else scale[0])
+
+
+def to_qdq(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+    """The fp32 graph `model` with every weight MatMul (the folded tied head too) as DequantizeLinear ->
+    MatMul in the form full TensorRT imports (ENGINE_QUANT; engine/onnx_rules.py holds its rules): int8
+    per output column (axis 1, no block: TensorRT block-quantizes INT4 only), int4 in blocks of 32 along K
+    (axis 0), scales strictly positive, no zero point. TensorRT-RTX builds the same graph. Opset 21
+    (int4). The embedding Gather stays float32, as in quantize_weights."""
     import ml_dtypes
 
+    if precision not in ENGINE_QUANT:
+        raise ConfigError(f"weight-only precision must be one of {', '.join(ENGINE_QUANT)}, got {precision!r}")
+    bits, block = ENGINE_QUANT[precision]["bits"], ENGINE_QUANT[precision]["block_size"]
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    meta = {p.key: p.value for p in out.metadata_props}
+    if meta.get(PRECISION_KEY, "fp32") != "fp32":
+        raise ExportError(f"the graph is already {meta[PRECISION_KEY]}; write the Q/DQ graph from the fp32 export")
+    _fold_tied_head(out)
     g = out.graph
     inits = {t.name: t for t in g.initializer}
     nodes, used = [], set()
     for n in g.node:
-        if n.op_type != "MatMulNBits":
+        w = inits.get(n.input[1]) if n.op_type == "MatMul" and len(n.input) > 1 else None
+        if w is None or len(w.dims) != 2:
             nodes.append(n)
             continue
-        a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
-        bits, bs, K, N = a["bits"], a["block_size"], a["K"], a["N"]
-        if len(n.input) > 3 and n.input[3]:
-            raise ExportError(f"node '{n.name}': asymmetric MatMulNBits (zero points) has no Q/DQ form here")
-        packed = numpy_helper.to_array(inits[n.input[1]])  # uint8 [N, blocks, block * bits / 8]
-        scales = numpy_helper.to_array(inits[n.input[2]]).reshape(N, -1)  # [N, blocks]
-        if bits == 8:
-            q = packed.reshape(N, -1)[:, :K].astype(np.int16) - 128
-            # ORT's symmetric int8 blocks put the largest magnitude at -128 with a negative scale where
-            # it is positive; TensorRT-RTX refuses negative scales ("Scale coefficients must all be
-            # positive"), so those blocks are re-signed: exact but for that one value, -128 -> 127
-            # after the flip (one step of that block's scale; int4 keeps its signed scales: RTX takes them)
-            neg = np.repeat(scales < 0, bs, axis=1)[:, :K]
-            q = np.where(neg, np.minimum(-q, 127), q).astype(np.int8)
-            scales = np.abs(scales)
-        else:  # two values a byte, the first in the low nibble; unsigned with zero point 8
-            nib = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(N, -1)[:, :K].astype(np.int8) - 8
-            q = nib.astype(ml_dtypes.int4)
-        wq, ws = f"{n.input[1]}_qdq", f"{n.input[2]}_qdq"
-        g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(q.T), wq),
-                              numpy_helper.from_array(np.ascontiguousarray(scales.T), ws)])
-        used.update(n.input[1:3])
-        w = f"{n.name}_dq_out"
-        nodes.append(onnx.helper.make_node("DequantizeLinear", [wq, ws], [w], axis=0, block_size=bs, name=f"{n.name}_dq"))
-        nodes.append(onnx.helper.make_node("MatMul", [n.input[0], w], list(n.output), name=f"{n.name}_matmul"))
+        if block and w.dims[0] % block:
+            raise ConfigError(f"MatMul '{n.name}' has K = {w.dims[0]}, not a multiple of the {precision} block of {block}")
+        q, scale = quantize_symmetric(numpy_helper.to_array(w).astype(np.float32), bits, block)
+        q = q.astype(np.int8 if bits == 8 else ml_dtypes.int4)
+        wq, ws = f"{w.name}_q{bits}", f"{w.name}_q{bits}_scale"
+        g.initializer.extend([numpy_helper.from_array(np.ascontiguousarray(q), wq),
+                              numpy_helper.from_array(np.ascontiguousarray(scale), ws)])
+        used.add(w.name)
+        attrs = dict(axis=0, block_size=block) if block else dict(axis=1)
+        dq = f"{w.name}_dq"
+        nodes.append(onnx.helper.make_node("DequantizeLinear", [wq, ws], [dq], name=f"{n.name}_dq", **attrs))
+        nodes.append(onnx.helper.make_node("MatMul", [n.input[0], dq], list(n.output), name=n.name))
+    if not used:
+        raise ExportError("no MatMul with a constant weight to quantize")
+    readers = {i for n in nodes for i in n.input}
     del g.node[:]
     g.node.extend(nodes)
-    keep = [t for t in g.initializer if t.name not in used]
+    keep = [t for t in g.initializer if t.name not in used or t.name in readers]  # wte stays for the Gather
     del g.initializer[:]
     g.initializer.extend(keep)
     for op in out.opset_import:
         if op.domain in ("", "ai.onnx") and op.version < 21:
             op.version = 21
-    if not any(node.domain == "com.microsoft" for node in g.node):
-        keep_ops = [op for op in out.opset_import if op.domain != "com.microsoft"]
-        del out.opset_import[:]
-        out.opset_import.extend(keep_ops)
+    del out.metadata_props[:]
+    for k, v in {**meta, PRECISION_KEY: precision}.items():
+        out.metadata_props.add(key=k, value=v)
     return out

@@ -144,6 +144,23 @@ class Session(abc.ABC):
         with self._steps(len(ids)) as steps:
             return steps.prefill(row, np.ones_like(row))[0]
 
+    def forward_stepwise(self, ids: Sequence[int], prompt_len: int) -> np.ndarray:
+        """Logits [len(ids), vocab] as generation computes them: one prefill of the first `prompt_len` ids,
+        then one decode step per remaining id through the KV cache. Equal to forward(ids) up to rounding;
+        with len(ids) = n_positions its last steps decode at past n - 2 and n - 1, which generate never
+        reaches (its last new token is not fed back), so verification checks that boundary this way."""
+        ids = check_ids(ids, self.cfg.vocab_size, "input")
+        if len(ids) > self.cfg.n_positions:
+            raise InputError(f"input ({len(ids)} tokens) exceeds the model's context of {self.cfg.n_positions} tokens")
+        if not 1 <= prompt_len <= len(ids):
+            raise InputError(f"prompt_len must be 1..{len(ids)}, got {prompt_len}")
+        row = np.asarray([ids[:prompt_len]], dtype=np.int64)
+        with self._steps(len(ids)) as steps:
+            out = [steps.prefill(row, np.ones_like(row))[0]]
+            for p in range(prompt_len, len(ids)):
+                out.append(steps.decode(np.asarray([ids[p]], dtype=np.int64), np.ones((1, p + 1), dtype=np.int64)))
+        return np.concatenate(out, axis=0)
+
     def generate(
         self,
         prompt_ids: Sequence[int] | Sequence[Sequence[int]],

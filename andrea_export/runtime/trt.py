@@ -112,6 +112,24 @@ def _refit_if_stripped(trt, engine, engine_path: Path) -> None:
         refit_stripped(trt, engine, engine_path, info)
 
 
+def bind(ctx, shapes: dict[str, tuple], addresses: dict[str, int]) -> None:
+    """Set input shapes, then tensor addresses, on a TensorRT execution context. TensorRT reports a refusal
+    (a shape outside the profile, an unknown name, a misaligned pointer) by returning False, not by raising:
+    unchecked, the next enqueue runs on stale bindings."""
+    for name, shape in shapes.items():
+        if not ctx.set_input_shape(name, tuple(shape)):
+            raise CudaError(f"TensorRT refused shape {list(shape)} for '{name}' (outside the profile?)")
+    for name, ptr in addresses.items():
+        if not ctx.set_tensor_address(name, int(ptr)):
+            raise CudaError(f"TensorRT refused the address of '{name}' (unknown name, or not 256-byte aligned)")
+
+
+def enqueue(ctx, stream) -> None:
+    """execute_async_v3 on `stream`; False (nothing enqueued) raises."""
+    if not ctx.execute_async_v3(stream):
+        raise CudaError("TensorRT execute_async_v3 failed (see the log above)")
+
+
 class TrtSession(SerialSession):
     backend = "tensorrt"
 
@@ -255,16 +273,10 @@ class TrtSession(SerialSession):
         _ok(self.cudart, self.cudart.cudaStreamSynchronize(self.cuda_stream), "cudaStreamSynchronize")
 
     def _bind(self, ctx, shapes: dict[str, tuple], addresses: dict[str, int]):
-        for name, shape in shapes.items():
-            if not ctx.set_input_shape(name, shape):
-                raise CudaError(f"TensorRT refused shape {list(shape)} for '{name}' (outside the profile?)")
-        for name, ptr in addresses.items():
-            if not ctx.set_tensor_address(name, ptr):
-                raise CudaError(f"TensorRT refused the address of '{name}'")
+        bind(ctx, shapes, addresses)
 
     def _execute(self, ctx):
-        if not ctx.execute_async_v3(self.cuda_stream):
-            raise CudaError("TensorRT execute_async_v3 failed (see the log above)")
+        enqueue(ctx, self.cuda_stream)
 
     def _bind_static_decode(self):
         L, n, H, D = self.layout, self.cfg.n_positions, self.layout.n_head, self.layout.head_dim

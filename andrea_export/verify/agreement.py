@@ -21,7 +21,7 @@ import torch
 
 from ..graphs.layout import KVLayout, kv_layout, read_kv_layout
 from ..model.andrea import Andrea
-from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
+from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS, WEIGHT_ONLY
 from ..runtime.base import Session, check_ids
 from .thresholds import TOLERANCES
 
@@ -115,6 +115,10 @@ def verify_decoder(
         run_layout = dataclasses.replace(layout, cache_dtype="float32")
     if layout.shared:  # the in-place graph keeps its own cache: run it through the runtime's steps
         candidate = _inplace_runner(onnx_path, providers, width + steps, name)
+    elif _precision(onnx_path) in WEIGHT_ONLY:  # a Q/DQ graph computed as TensorRT computes it
+        from .compare import weight_only_session
+
+        candidate = OnnxrtRunner(weight_only_session(source, providers), name=name)
     else:
         candidate = OnnxrtRunner(SessionFromOnnx(source, providers=providers), name=name)
     outputs: dict[str, list] = {reference.name: [], candidate.name: []}
@@ -154,6 +158,14 @@ def verify_decoder(
     for entry, verdict in zip(per_step, result[(reference.name, candidate.name)]):
         entry["passed"] = all(bool(v) for v in verdict.values())
     return {"passed": bool(accuracy), "steps": steps, "tolerances": {"rtol": rtol, "atol": atol}, "per_step": per_step}
+
+
+def _precision(onnx_path) -> str:
+    import onnx
+
+    from ..graphs.precision import graph_precision
+
+    return graph_precision(onnx.load(str(onnx_path), load_external_data=False))
 
 
 def _real_positions(out: dict, mask: np.ndarray, new_tokens: int) -> dict:
@@ -224,6 +236,7 @@ def greedy_agreement(
     *,
     rtol: float | None = None,
     atol: float | None = None,
+    max_kl: float | None = None,
 ) -> dict:
     """Greedy-decode `n_tokens` through `session` (KV cache) and through PyTorch recomputing the full
     sequence each step (no cache); compare token for token.
@@ -240,8 +253,13 @@ def greedy_agreement(
         with `rtol` and `atol` (a precision's verification tolerances): tolerances, and passed: every logit of
         every step compared (up to and including the first divergence) is within them of the reference. So
         the tokens agree, or part where the reference's top two are closer than the tolerance lets both move
-        (a tie that precision cannot resolve); a divergence with any logit further off fails.
+        (a tie that precision cannot resolve); a divergence with any logit further off fails. Always: max_kl,
+        the largest KL(reference || candidate) of a next-token distribution over the steps compared; with
+        `max_kl` given, passed also needs it within that bound (logit tolerances loose enough for int4's
+        ties let a wrong distribution through; its KL does not).
     """
+    from .compare import lm_metrics
+
     if not isinstance(session, Session):
         from ..runtime import load
 
@@ -279,6 +297,8 @@ def greedy_agreement(
         "at_divergence": None,
         "min_reference_margin": min(margins),
         "max_abs_logit_diff": max(float(np.abs(ref_logits[i] - cand_logits[i]).max()) for i in compared),
+        "max_kl": lm_metrics(np.stack([ref_logits[i] for i in compared]),
+                             np.stack([cand_logits[i] for i in compared]))["max_kl"],
         "reference_tokens": ref_tokens,
         "candidate_tokens": cand_tokens,
         "seconds": {"reference": t_ref, "candidate": t_cand},
@@ -286,6 +306,9 @@ def greedy_agreement(
     if rtol is not None and atol is not None:
         report["tolerances"] = {"rtol": rtol, "atol": atol}
         report["passed"] = all(np.allclose(cand_logits[i], ref_logits[i], rtol=rtol, atol=atol) for i in compared)
+    if max_kl is not None:
+        report["max_kl_bound"] = max_kl
+        report["passed"] = report.get("passed", True) and report["max_kl"] <= max_kl
     if first is not None:
         r, c = ref_tokens[first], cand_tokens[first]
         report["at_divergence"] = {
@@ -295,3 +318,4 @@ def greedy_agreement(
             "candidate_margin": float(cand_logits[first][c] - cand_logits[first][r]),
         }
     return report
+

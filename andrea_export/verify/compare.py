@@ -73,12 +73,19 @@ def onnxrt_runner(onnx_path: str | Path, name: str | None = None):
         emulated = emulate_in_fp32(onnx.load(str(onnx_path)))
         return OnnxrtRunner(SessionFromOnnx(emulated.SerializeToString(), providers=providers), name=name + " (bf16 emulated)")
     if graph_precision(model) in WEIGHT_ONLY:
-        # ORT rewrites a Q/DQ graph's DequantizeLinear -> MatMul into MatMulNBits that quantizes the
-        # activations to int8 too (accuracy level 4) unless told not to: not what TensorRT computes
-        options = ort.SessionOptions()
-        options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
-        return OnnxrtRunner(ort.InferenceSession(str(onnx_path), options, providers=providers), name=name)
+        return OnnxrtRunner(weight_only_session(str(onnx_path), providers), name=name)
     return OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers), name=name)
+
+
+def weight_only_session(source, providers: list[str]):
+    """An ONNX Runtime session for a weight-only graph (a path or its bytes). ORT rewrites a Q/DQ graph's
+    DequantizeLinear -> MatMul into MatMulNBits that quantizes the activations to int8 too (accuracy level 4)
+    unless told not to: not what TensorRT computes, so verification turns that off."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    return ort.InferenceSession(source, options, providers=providers)
 
 
 def default_shapes(n_positions: int) -> list[tuple[int, int]]:
@@ -319,12 +326,13 @@ def print_summary(report: VerifyReport) -> None:
         if g:
             where = "all tokens agree" if g["agree"] else f"first divergence at token {g['first_divergence']}"
             console.print(f"greedy {g['steps']} tokens, {c['artifact']}: {where}")
-    for d in filter(None, [report.decoder, (report.decoder or {}).get("inplace")]):  # standard, then in-place
+    decoder = report.decoder or {}
+    for d in filter(None, [report.decoder, decoder.get("inplace"), decoder.get("qdq")]):  # standard, in-place, Q/DQ
         worst = max(s["max_abs_logits"] for s in d["steps"]["per_step"])
         console.print(f"KV-cache decoder {d['artifact']}: prefill + {d['steps']['steps']} decode steps vs PyTorch, "
                       f"max |logit diff| {worst:.2e}: ", styled("ok", "green") if d["steps"]["passed"]
                       else styled("FAILED", "bold red"), sep="")  # a str and a Text: two renderables, no '+'
-        for key, label in (("greedy", "ONNX Runtime"), ("engine_greedy", "engine")):
+        for key, label in (("greedy", "ONNX Runtime"), ("engine", "engine")):
             g = d.get(key)
             if g and "agree" in g:
                 where = "all tokens agree" if g["agree"] else (
@@ -332,6 +340,12 @@ def print_summary(report: VerifyReport) -> None:
                 console.print(f"greedy {g['steps']} tokens with the KV cache, {label}: {where}")
             elif g:
                 console.print(f"greedy with the KV cache, {label}: {g['skipped']}")
+            for path, r in (g or {}).get("paths", {}).items():  # the engine's paths: CUDA graph, uncaptured
+                bad = [k for k, b in r["boundary"].items() if not b["passed"]] + (["greedy"] if not r["greedy"]["passed"] else [])
+                if r.get("captured") is False:
+                    bad.append(f"CUDA graph capture failed: {r['capture_error']}")
+                console.print(f"engine, {path}: greedy + full-context boundary (past n-2, n-1; prefill of n): ",
+                              styled("ok", "green") if r["passed"] else styled("FAILED " + "; ".join(bad), "bold red"), sep="")
     p = report.perplexity
     if p and p.get("computed"):
         (ref_name, ref), = p["reference"].items()

@@ -9,21 +9,53 @@ from pathlib import Path
 from ..errors import AndreaExportError
 
 
-def engine_greedy(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
-    """Greedy decoding through the runtime's TrtSession against PyTorch; `passed` gates the build in every
-    precision: a divergence fails unless every logit up to it is within the precision's tolerance (a tie)."""
+def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
+    """The decoder engine through the runtime's TrtSession against PyTorch, on every path the runtime takes:
+    the CUDA-graph session and the uncaptured one (cuda_graph=False, also the fallback when a capture fails).
+    On each: greedy decoding of an 8-token prompt for `steps` tokens (tokens agree, or diverge at a tie within
+    the precision's tolerance; every distribution within MAX_KL), and the full-context boundary: a prompt of
+    n_positions - 2 decoded at past n - 2 and n - 1, and a prefill of n, both against PyTorch's logits of the
+    same n tokens. A CUDA-graph session whose capture failed fails the gate (its error is in the report):
+    the runtime would fall back silently, so an engine that cannot be captured must not read `passed`."""
+    import numpy as np
+    import torch
+
     from ..graphs.layout import read_decoder
     from ..runtime.trt import TrtSession
     from .agreement import greedy_agreement
-    from .thresholds import TOLERANCES
+    from .compare import lm_metrics
+    from .thresholds import MAX_KL, TOLERANCES
 
     graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
-    prompt = list(range(1, 9))
     cfg, layout = read_decoder(graph)  # one check of the graph
-    with TrtSession(folder / artifacts["decoder_engine"], cfg, layout) as sess:
-        greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **TOLERANCES[precision])
-    greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
-    return greedy
+    n, tol = cfg.n_positions, TOLERANCES[precision]
+    prompt = list(range(1, 9))
+    full = np.random.default_rng(0).integers(0, cfg.vocab_size, n).tolist()
+    with torch.inference_mode():
+        ref = model.eval()(torch.tensor([full]))[0].double().numpy()
+
+    def boundary(sess) -> dict:
+        out = {}
+        for name, logits in (("prefill_n", sess.forward(full)), ("past_n-2_n-1", sess.forward_stepwise(full, n - 2))):
+            rows = slice(n - 2, n)  # the two last positions: where the two decode steps land
+            got, want = logits[rows].astype(np.float64), ref[rows]
+            out[name] = {"max_abs": float(np.abs(got - want).max()), "max_kl": lm_metrics(want, got)["max_kl"],
+                         "passed": bool(np.allclose(got, want, **tol)) and lm_metrics(want, got)["max_kl"] <= MAX_KL[precision]}
+        return out
+
+    paths = {}
+    for path, cuda_graph in (("cuda_graph", True), ("uncaptured", False)):
+        with TrtSession(folder / artifacts["decoder_engine"], cfg, layout, cuda_graph=cuda_graph) as sess:
+            greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **tol, max_kl=MAX_KL[precision])
+            greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
+            r = {"greedy": greedy, "boundary": boundary(sess)}
+            if cuda_graph:
+                r["captured"], r["capture_error"] = sess.cuda_graph_active, sess.cuda_graph_error
+        r["passed"] = greedy["passed"] and all(b["passed"] for b in r["boundary"].values()) and r.get("captured", True)
+        paths[path] = r
+    return {"passed": all(r["passed"] for r in paths.values()), "paths": paths,
+            # the CUDA-graph session's decoding, as the summary prints it
+            **{k: v for k, v in paths["cuda_graph"]["greedy"].items() if k != "passed"}}
 
 
 def engine_blocker(plan: Path, info: dict) -> str | None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..folder.reader import read_engine_info
 from ..names import EVAL_TEXT_FILE, TOKENIZER_FILE
 from ..progress import step
-from .engine import engine_blocker, engine_greedy, engine_runner
+from .engine import engine_blocker, engine_checks, engine_runner
 
 
 def evaluation_windows(tok, path: Path | str, cfg) -> tuple:
@@ -42,6 +42,15 @@ def decoder_checks(folder: Path, model, precision: str, artifacts: dict, greedy_
     n = min(16, cfg.n_positions // 4)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
     result = decoder_graph_checks(model, path, precision, prompts, greedy_steps)
+    if "decoder_onnx_qdq" in artifacts:  # the weights the decoder engine gets (quantized for TensorRT)
+        from .agreement import verify_decoder
+        from .thresholds import TOLERANCES
+
+        qdq = folder / artifacts["decoder_onnx_qdq"]
+        with step(f"Verifying the engines' Q/DQ decoder {qdq.name} step by step"):
+            steps = verify_decoder(model, qdq, prompts, steps=8, **TOLERANCES[precision])
+        result["qdq"] = {"artifact": qdq.name, "steps": steps, "passed": steps["passed"]}
+        result["passed"] = result["passed"] and steps["passed"]
     if "decoder_onnx_inplace" in artifacts:  # the graph ONNX Runtime and genai run: the same checks
         with step("Verifying the in-place KV-cache decoder step by step"):
             result["inplace"] = decoder_graph_checks(model, folder / artifacts["decoder_onnx_inplace"], precision,
@@ -97,9 +106,9 @@ def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_i
             reason = engine_blocker(plan, read_engine_info(folder / artifacts["decoder_engine_info"]))
             if reason:
                 report.skipped.append({"artifact": "decoder_engine", "reason": reason})
-            else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph) decodes like PyTorch
-                report.decoder["engine_greedy"] = engine_greedy(folder, model, artifacts, greedy_steps or 32, precision)
-                report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine_greedy"]["passed"]
+            else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph or not) decodes like PyTorch
+                report.decoder["engine"] = engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
+                report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine"]["passed"]
         report.passed = report.passed and report.decoder["passed"]
     return report
 

@@ -41,8 +41,26 @@ A logit passes when |artifact - reference| <= atol + rtol * |reference| (numpy.a
 #   int4         1.50          64.1 %    2.5e-2     345.98 (+6.3e-3)
 #
 # (Before accuracy_level 4, with weights dequantized to float32 in the product: int8 0.127, 98.2 %,
-# 1.6e-4, +2.7e-4; int4 1.68, 63.1 %, 3.5e-2, +6.1e-3. The Q/DQ graphs the engines get still compute
-# that way: int8 0.119, 98.8 %, 9.1e-5, +5.6e-4.) Their logit bounds are about 3x the worst measurement
+# 1.6e-4, +2.7e-4; int4 1.68, 63.1 %, 3.5e-2, +6.1e-3.)
+#
+# The engines' Q/DQ graphs (quantize.to_qdq: TensorRT's form, quantized from the fp32 weights, float32
+# activations) against the MatMulNBits graphs, on the demo as trained on an Intel Xeon (another CPU's
+# rounding trains other weights: held-out perplexity 301.18), verify's default shapes, random ids:
+#
+#   graph                                         max|err|   top-5    max KL     perplexity
+#   int8 MatMulNBits, blocks of 64, level 4       0.338      0.976    1.7e-3     -8.2e-5
+#   int8 Q/DQ per output column (TensorRT)        0.157      0.988    2.2e-4     +1.7e-4
+#   int8 Q/DQ blocks of 64, re-signed (RTX only)  0.234      0.988    7.8e-4     +2.2e-4   (TensorRT refuses)
+#   int4 MatMulNBits, blocks of 32, level 4       1.76       0.800    5.9e-2     +4.6e-3
+#   int4 Q/DQ, ORT's signed scales (RTX only)     1.77       0.800    5.3e-2     +4.8e-3   (TensorRT refuses)
+#   int4 Q/DQ, ORT's blocks re-signed, -8 -> 7    2.65       0.887    1.2e-1     +1.3e-2
+#   int4 Q/DQ, amax / 7 (ModelOpt's RTN)          2.29       0.871    2.0e-1     +1.8e-2
+#   int4 Q/DQ, amax / 8, [-8, 7]                  2.57       0.800    1.3e-1     +1.3e-2
+#   int4 Q/DQ, scale searched (TensorRT, kept)    2.42       0.898    9.0e-2     +7.6e-3
+#
+# Positive scales cost int4 accuracy (a block's positive extreme gets 7 steps, not 8); the per-block search
+# of quantize.SCALE_SEARCH recovers most of it. Broken int4 Q/DQ graphs, same measurement: one weight's
+# scales doubled max KL 3.5, one weight negated 6.7. Their logit bounds are about 3x the worst measurement
 # (random ids are where the tiny model's next-token distribution is flattest, so top-1 flips most: on
 # held-out text int4 keeps far more); their perplexity bounds are the issue's goals: int8 within 1 %,
 # int4 within 5 % of fp32.
@@ -64,9 +82,11 @@ MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.9}
 # share it misses and fails the first two at every shape of more than one token (KL fails them too).
 MIN_TOP5 = {"int4": 0.6}
 # Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
-# trained models' worst above times >= 7, int8 and int4 >= 3.4 (random weights: fp32 3e-13, fp16 3e-9,
-# bf16 7e-7). A wrong kernel gives 1e-1 and up.
-MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2, "int8": 3e-3, "int4": 1e-1}
+# trained models' worst above times >= 7, int8 and int4 >= 3.3 (random weights: fp32 3e-13, fp16 3e-9,
+# bf16 7e-7). A wrong kernel gives 1e-1 and up; a broken int4 graph 3.5 and up. int8 and int4 were 3e-3
+# and 1e-1, which the Intel-trained demo's MatMulNBits int8 (1.7e-3) and Q/DQ int4 (9.0e-2) came within
+# 1.8x and 1.1x of. The engine gate (verify/engine.py) holds the engines' decoding to the same bounds.
+MAX_KL = {"fp32": 1e-6, "fp16": 1e-4, "bf16": 1e-2, "int8": 6e-3, "int4": 3e-1}
 # Largest relative difference of an artifact's perplexity on real text from PyTorch fp32's (verify with
 # an evaluation text: build --tokenizer --eval-text). Measured above: fp16 1.9e-5, bf16 2.9e-4; the
 # bounds leave >= 17x margin (the issue asks for 1 %; a drift of 0.5 % is already a defect).

@@ -542,3 +542,21 @@ def test_cli_spin_reaches_every_ort_backend(tmp_path, flag, spinning):
     doc = json.loads((out / "bench.json").read_text())
     assert doc["backends"]["ort-cpu"]["spin_wait"] is spinning
     assert doc["settings"]["gap_s"] == (bench.Settings().spin_gap_s if spinning else bench.Settings().gap_s)
+
+
+def test_trt_backend_does_not_time_what_tensorrt_refused(tiny_onnx, tmp_path, monkeypatch):
+    """set_input_shape / set_tensor_address / execute_async_v3 report a refusal by returning False; the bench's
+    TensorRT backend used to ignore it and time whatever ran. Over the strict TensorRT stand-in (tests/runtime):
+    a shape outside the engine's profile raises before anything is timed."""
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "runtime"))
+    from fake_cuda import FakeCudart, fake_tensorrt, write_plan
+
+    from andrea_export.errors import CudaError
+
+    plan = write_plan(tmp_path / "model.plan", tiny_onnx, [
+        {"name": "prefill", "shapes": {"input_ids": {"min": [1, 1], "opt": [1, 16], "max": [2, 32]}}}])
+    backend = bench.TrtBackend("native", {"prefill": plan})
+    trt = fake_tensorrt(FakeCudart())
+    backend.trt, backend.runtime, backend._engines, backend.device = trt, trt.Runtime(trt.Logger()), {}, "cpu"
+    with pytest.raises(CudaError, match=r"refused shape \[1, 64\] for 'input_ids'"):
+        backend.prefill(np.zeros((1, 64), dtype=np.int64))  # longer than the profile's 32

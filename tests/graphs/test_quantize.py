@@ -18,7 +18,6 @@ from andrea_export.graphs.quantize import (
     check_model_shape,
     matmulnbits,
     quantize_weights,
-    to_qdq,
     write_qdq,
 )
 from andrea_export.names import PRECISIONS, WEIGHT_ONLY
@@ -57,41 +56,58 @@ def test_every_weight_matmul_becomes_matmulnbits(tiny_onnx, tmp_path, precision)
     assert meta["andrea.precision"] == precision and "andrea.config" in meta
 
 
-def test_int4_qdq_graph_holds_the_same_weights(tiny_onnx, tmp_path):
-    """The engines' Q/DQ graph computes what ONNX Runtime's MatMulNBits graph computes (a re-layout of
-    the same int4 values and scales, not a second quantization)."""
-    nbits = quantize_weights(tiny_onnx, tmp_path / "model.int4.onnx", "int4")
-    qdq = write_qdq(nbits, tmp_path / "model.int4.qdq.onnx")
-    model = onnx.load(str(qdq))
-    assert not [n for n in model.graph.node if n.domain == "com.microsoft"]
-    dq = [n for n in model.graph.node if n.op_type == "DequantizeLinear"]
-    assert len(dq) == len(TINY_MATMULS)
-    inits = {t.name: t for t in model.graph.initializer}
-    assert {inits[n.input[0]].data_type for n in dq} == {onnx.TensorProto.INT4}
-    assert {onnx.helper.get_attribute_value(a) for n in dq for a in n.attribute if a.name == "block_size"} == {32}
-    ids = np.random.default_rng(0).integers(0, ANDREA_TINY.vocab_size, (2, 32))
-    np.testing.assert_allclose(_run(qdq, ids, qdq_accuracy_level=QUANT["int4"]["accuracy_level"]), _run(nbits, ids), atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("precision", WEIGHT_ONLY)
+def test_engine_qdq_graphs_are_in_the_form_tensorrt_imports(tiny_onnx, tmp_path, precision):
+    """The engines' Q/DQ graph: int8 per output column (TensorRT block-dequantizes INT4 only), int4 in blocks
+    of 32, every scale positive, each weight within its quantization step of the fp32 weight, and nothing
+    TensorRT's import rules refuse (the old graph, int8 in blocks of 64 with int4's signed scales, broke two)."""
+    from andrea_export.engine.onnx_rules import tensorrt_import_problems
 
-
-def test_int8_qdq_scales_are_positive_and_weights_match(tiny_onnx, tmp_path):
-    """TensorRT-RTX refuses negative DequantizeLinear scales, which ORT's symmetric int8 writes: they are
-    re-signed, the dequantized weights staying within one quantization step of ORT's."""
-    nbits = onnx.load(str(quantize_weights(tiny_onnx, tmp_path / "model.int8.onnx", "int8")))
-    qdq = to_qdq(nbits)
-    inits = {t.name: onnx.numpy_helper.to_array(t) for t in qdq.graph.initializer}
+    qdq = onnx.load(str(write_qdq(tiny_onnx, tmp_path / f"model.{precision}.qdq.onnx", precision)))
+    assert tensorrt_import_problems(qdq) == []
+    assert not [n for n in qdq.graph.node if n.domain == "com.microsoft"]
+    assert {p.key: p.value for p in qdq.metadata_props}["andrea.precision"] == precision
+    inits = {t.name: t for t in qdq.graph.initializer}
     fp32 = {t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(tiny_onnx)).graph.initializer}
-    checked = 0
-    for n in qdq.graph.node:
-        if n.op_type == "DequantizeLinear":
-            q, s = inits[n.input[0]].astype(np.float32), inits[n.input[1]]
-            assert (s > 0).all()
-            w = q * np.repeat(s, QUANT["int8"]["block_size"], axis=0)
-            src = n.input[0].removesuffix("_Q8_qdq")
-            ref = fp32[src] if src in fp32 else fp32["wte.weight"].T
-            step = np.repeat(s, QUANT["int8"]["block_size"], axis=0)
-            assert (np.abs(w - ref) <= step * 1.0001).all()
-            checked += 1
-    assert checked == len(TINY_MATMULS)
+    dq = [n for n in qdq.graph.node if n.op_type == "DequantizeLinear"]
+    assert sorted(tuple(inits[n.input[0]].dims) for n in dq) == TINY_MATMULS
+    for n in dq:
+        a = {x.name: onnx.helper.get_attribute_value(x) for x in n.attribute}
+        q = onnx.numpy_helper.to_array(inits[n.input[0]]).astype(np.float32)
+        s = onnx.numpy_helper.to_array(inits[n.input[1]])
+        assert (s > 0).all()
+        if precision == "int8":
+            assert inits[n.input[0]].data_type == onnx.TensorProto.INT8 and a == {"axis": 1} and s.shape == (q.shape[1],)
+            step = np.broadcast_to(s, q.shape)
+        else:
+            assert inits[n.input[0]].data_type == onnx.TensorProto.INT4 and a == {"axis": 0, "block_size": 32}
+            step = np.repeat(s, 32, axis=0)
+        src = n.input[0].removesuffix(f"_q{QUANT[precision]['bits']}")
+        ref = fp32[src] if src in fp32 else fp32["wte.weight"].T
+        # round to nearest: half a step; int4's searched scale may clip a block's positive extreme by one step
+        assert (np.abs(q * step - ref) <= step * (0.5 if precision == "int8" else 1.0) * 1.0001).all(), n.name
+    ids = np.random.default_rng(0).integers(0, ANDREA_TINY.vocab_size, (2, 32))
+    ref = _run(tiny_onnx, ids)
+    assert np.abs(_run(tmp_path / f"model.{precision}.qdq.onnx", ids, qdq_accuracy_level=0) - ref).max() < \
+        {"int8": 0.05, "int4": 0.5}[precision] * np.abs(ref).max()
+
+
+def test_int4_scale_search_beats_plain_rounding_and_keeps_scales_positive():
+    """quantize_symmetric's int4 scales: never above plain amax / 7 rounding's squared error (that scale is
+    one of the candidates), clearly below it on Gaussian weights, and positive for an all-zero block."""
+    from andrea_export.graphs.quantize import quantize_symmetric
+
+    w = np.random.default_rng(0).normal(0, 0.02, (256, 64)).astype(np.float32)
+    w[:32, 0] = 0.0  # one all-zero block
+    q, s = quantize_symmetric(w, 4, 32)
+    assert s.shape == (8, 64) and (s > 0).all() and q.min() >= -8 and q.max() <= 7
+    err = ((q * np.repeat(s, 32, axis=0) - w) ** 2).reshape(8, 32, 64).sum(axis=1)
+    g = w.reshape(8, 32, 64)
+    s7 = np.where(np.abs(g).max(axis=1) > 0, np.abs(g).max(axis=1) / 7, 1.0)
+    err7 = ((np.clip(np.rint(g / s7[:, None]), -8, 7) * s7[:, None] - g) ** 2).sum(axis=1)
+    assert (err <= err7 * (1 + 1e-6)).all() and err.sum() < 0.9 * err7.sum()
+    q8, s8 = quantize_symmetric(w, 8, None)
+    assert s8.shape == (64,) and (s8 > 0).all() and np.abs(q8).max() == 127
 
 
 def test_bad_combinations_are_refused(tiny_onnx, tmp_path):
@@ -188,7 +204,7 @@ def test_verification_runs_the_qdq_graph_as_the_engine_computes_it(tiny_onnx, tm
     from andrea_export.verify.compare import onnxrt_runner
 
     nbits = quantize_weights(tiny_onnx, tmp_path / "model.int4.onnx", "int4")
-    qdq = write_qdq(nbits, tmp_path / "model.int4.qdq.onnx")
+    qdq = write_qdq(tiny_onnx, tmp_path / "model.int4.qdq.onnx", "int4")
     ids = np.random.default_rng(1).integers(0, ANDREA_TINY.vocab_size, (2, 32))
     runner = onnxrt_runner(qdq)
     with runner:
@@ -200,10 +216,12 @@ def test_verification_runs_the_qdq_graph_as_the_engine_computes_it(tiny_onnx, tm
 @pytest.mark.parametrize("quantized_build", ["int8"], indirect=True)  # one weight-only build is enough here
 def test_verify_cli_reverifies_a_quantized_build_with_its_decoder(quantized_build, demo_dir):
     """`verify BUILD` re-measures the folder and prints its summary, the KV-cache decoder's line included
-    (that line concatenated a str and a rich Text: a TypeError for every build with a decoder)."""
+    (that line concatenated a str and a rich Text: a TypeError for every build with a decoder). 32 positions:
+    at 8, one top-1 flip at a near-tie is 12.5 % and fails int8's 90 % floor (it did, on the demo as trained
+    on an Intel Xeon, whose rounding differs from the AMD EPYC's)."""
     precision, out, _ = quantized_build
     result = CliRunner().invoke(main, ["verify", str(out), "--checkpoint", str(demo_dir / "model.safetensors"),
-                                       "--shapes", "1x8", "--greedy-steps", "2"])
+                                       "--shapes", "1x32", "--greedy-steps", "2"])
     assert result.exit_code == 0, result.output + repr(result.exception)
     assert "KV-cache decoder decoder.int8.onnx" in result.output and "perplexity on" in result.output
 

@@ -20,7 +20,8 @@ def test_scripts_compile(script):
 
 
 SECTIONS = ["kernel compile", "driver", "PTX load", "kernel correctness", "kernel speed", "PyTorch eager",
-            "plugin engine", "native engine", "plugin vs native", "TensorRT vs PyTorch", "session reload"]  # fmt: skip
+            "plugin engine", "native engine", "plugin vs native", "TensorRT vs PyTorch", "session reload",
+            "quantized engines"]  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run benchmarks/gpu_checks.py itself")

@@ -25,6 +25,9 @@ runtime API, for testing `andrea_export.runtime.trt.TrtSession` where there is n
 - graphs, graph executables, streams and allocations are counted, so a test can say nothing leaked;
 - a kernel (TensorRT enqueue) that touches memory outside an allocation leaves the sticky
   cudaErrorIllegalAddress that the next synchronize reports, as a device fault does.
+- `set_tensor_address` refuses (returns False) a pointer that is not 256-byte aligned, as TensorRT's
+  header says it must be ("The pointer must have at least 256-byte alignment", NvInferRuntime.h 10.9/11.1):
+  a tensor bound at an offset inside a larger allocation must sit on a 256-byte boundary.
 
 The TensorRT stand-in reads the ONNX graph an engine "was built from" (the fake plan is a small JSON file
 naming it and the optimization profiles) and reports what a strongly typed engine built from that graph
@@ -497,7 +500,9 @@ def fake_tensorrt(cudart: FakeCudart) -> types.SimpleNamespace:
             e = self.engine
             if e.get_tensor_mode(name) == TensorIOMode.NONE:
                 return False
-            if int(memory) % numpy_dtype(e.get_tensor_dtype(name)).itemsize:  # must be element-aligned
+            # NvInferRuntime.h, IExecutionContext::setTensorAddress: "The pointer must have at least 256-byte
+            # alignment." (element alignment is not enough: a pointer into a buffer's middle is refused)
+            if int(memory) % ALIGN:
                 return False
             self.addresses[name] = int(memory)
             return True

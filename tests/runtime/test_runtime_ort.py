@@ -236,3 +236,19 @@ def test_a_closed_session_refuses_calls_and_lets_go_of_onnx_runtime(build_dir):
     for call in (lambda: sess.generate([1, 2], 1), lambda: sess.forward([1, 2]), lambda: next(sess.stream([1], 1))):
         with pytest.raises(runtime.InputError, match="this session is closed"):
             call()
+
+
+def test_forward_stepwise_reaches_the_last_slot_and_equals_forward(session):
+    """forward_stepwise: a prefill of n - 2 then decode steps at past n - 2 and n - 1 (which generate never
+    feeds), equal to one prefill of the n tokens; a prompt_len outside 1..len(ids) is refused."""
+    from andrea_export.errors import InputError
+
+    n = session.cfg.n_positions
+    ids = np.random.default_rng(3).integers(0, session.cfg.vocab_size, n).tolist()
+    stepped, whole = session.forward_stepwise(ids, n - 2), session.forward(ids)
+    assert stepped.shape == whole.shape == (n, session.cfg.vocab_size)
+    np.testing.assert_allclose(stepped, whole, rtol=1e-4, atol=1e-4)
+    with pytest.raises(InputError, match="prompt_len must be 1..128"):
+        session.forward_stepwise(ids, 0)
+    with pytest.raises(InputError, match="exceeds the model's context"):
+        session.forward_stepwise(ids + [1], n - 2)

@@ -384,11 +384,41 @@ def wrong_graphs(graphs, tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
-def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, graphs, wrong_graphs, lively_model,
-                                                                      tmp_path, monkeypatch, precision):
-    """verify_folder on a GPU host: the decoder engine's greedy decoding through TrtSession gates the build's
-    status in every precision. Here the engine runs on the fake device; the other checks are not the subject."""
+def _last_position_wrong(graph, out):
+    """The decoder with the position embedding of the context's last slot (n - 1) disturbed: an engine that
+    is right everywhere but at the full-context boundary, which an 8-token prompt decoding 16 steps never reaches."""
+    from onnx import numpy_helper
+
+    m = onnx.load(str(graph))
+    t = next(t for t in m.graph.initializer if t.name.startswith("wpe"))
+    a = numpy_helper.to_array(t).astype(np.float32).copy()
+    a[-1] += np.random.default_rng(1).normal(0, 2.0, a.shape[1]).astype(np.float32)
+    t.CopyFrom(numpy_helper.from_array(a.astype(numpy_helper.to_array(t).dtype), t.name))
+    onnx.save(m, str(out))
+    return out
+
+
+def _gate(folder, graph, engine_graph, lively_model, precision, **plan):
+    """verify_folder's verdict on a folder whose decoder engine was "built" from `engine_graph`."""
+    from andrea_export.verify import folder as verify_folder
+
+    folder.mkdir()
+    shutil.copy(graph, folder / graph.name)
+    write_plan(folder / "decoder.plan", engine_graph, optimization_profiles(read_kv_layout(engine_graph)), **plan)
+    engine = folder / "decoder.plan"  # a sidecar as the builder writes it (read, and checked, by verify_folder)
+    (folder / "decoder.plan.json").write_text(json.dumps({
+        "builder": "tensorrt", "builder_version": "10.13.3", "plan_bytes": engine.stat().st_size,
+        "plan_sha256": sha256_file(engine), "compute_capabilities": ["9.0"]}))
+    artifacts = {"onnx": "model.onnx", "onnx_plugin": "model.plugin.onnx", "engine": "model.plan",
+                 "decoder_onnx": graph.name, "decoder_engine": "decoder.plan", "decoder_engine_info": "decoder.plan.json"}
+    report = verify_folder.verify_folder(folder, lively_model, precision, artifacts, {}, None, 16)
+    return verify_folder.build_status(report), report.decoder["engine"]
+
+
+@pytest.fixture
+def gate_only(monkeypatch):
+    """verify_folder with only the decoder engine's check real (the other checks are not the subject), on the
+    fake device as on a GPU host."""
     from andrea_export.verify import compare as verify_module
     from andrea_export.verify import folder as verify_folder
 
@@ -396,23 +426,44 @@ def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gr
         True, precision, {}, {}, [], [], skipped))
     monkeypatch.setattr(verify_folder, "engine_runner", lambda plan, info: (object(), ""))
     monkeypatch.setattr(verify_folder, "decoder_checks", lambda *a, **k: {"passed": True})
-    monkeypatch.setattr(verify_folder, "engine_blocker", lambda plan, info: None)  # as on a GPU host
-    artifacts = {"onnx": "model.onnx", "onnx_plugin": "model.plugin.onnx", "engine": "model.plan",
-                 "decoder_onnx": graphs[precision].name, "decoder_engine": "decoder.plan",
-                 "decoder_engine_info": "decoder.plan.json"}
-    got = {}
-    for name, engine_graph in (("right", graphs[precision]), ("wrong", wrong_graphs[precision])):
-        folder = tmp_path / name
-        folder.mkdir()
-        shutil.copy(graphs[precision], folder / graphs[precision].name)
-        write_plan(folder / "decoder.plan", engine_graph, optimization_profiles(read_kv_layout(engine_graph)))
-        plan = folder / "decoder.plan"  # a sidecar as the builder writes it (read, and checked, by verify_folder)
-        (folder / "decoder.plan.json").write_text(json.dumps({
-            "builder": "tensorrt", "builder_version": "10.13.3", "plan_bytes": plan.stat().st_size,
-            "plan_sha256": sha256_file(plan), "compute_capabilities": ["9.0"]}))
-        report = verify_folder.verify_folder(folder, lively_model, precision, artifacts, {}, None, 16)
-        got[name] = verify_folder.build_status(report), report.decoder["engine_greedy"]["passed"]
-    assert got == {"right": ("passed", True), "wrong": ("failed", False)}
+    monkeypatch.setattr(verify_folder, "engine_blocker", lambda plan, info: None)
+
+
+@pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
+def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gate_only, graphs, wrong_graphs,
+                                                                      lively_model, tmp_path, precision):
+    """verify_folder on a GPU host: the decoder engine's checks through TrtSession gate the build's status in
+    every precision, on both of the runtime's paths (CUDA graph and uncaptured), each with its boundary."""
+    right, engine = _gate(tmp_path / "right", graphs[precision], graphs[precision], lively_model, precision)
+    assert right == "passed" and engine["passed"] and set(engine["paths"]) == {"cuda_graph", "uncaptured"}
+    for r in engine["paths"].values():
+        assert r["passed"] and r["greedy"]["steps"] == 16 and set(r["boundary"]) == {"prefill_n", "past_n-2_n-1"}
+    assert engine["paths"]["cuda_graph"]["captured"] is True and engine["paths"]["cuda_graph"]["capture_error"] is None
+    wrong, engine = _gate(tmp_path / "wrong", graphs[precision], wrong_graphs[precision], lively_model, precision)
+    assert wrong == "failed" and not engine["passed"]
+    _closed_clean(device)
+
+
+def test_the_engine_gate_checks_the_full_context_boundary(device, gate_only, graphs, lively_model, tmp_path):
+    """An engine wrong only at the context's last slot: greedy decoding from 8 tokens for 16 steps agrees (the
+    old gate's only check: it read `passed`), the boundary (prefill of n; decode at past n - 2, n - 1) fails it."""
+    bad = _last_position_wrong(graphs["fp32"], tmp_path / "decoder.last-wrong.onnx")
+    status, engine = _gate(tmp_path / "b", graphs["fp32"], bad, lively_model, "fp32")
+    assert status == "failed"
+    for r in engine["paths"].values():
+        assert r["greedy"]["passed"] and r["greedy"]["agree"]  # blind there
+        assert not r["boundary"]["prefill_n"]["passed"] and not r["boundary"]["past_n-2_n-1"]["passed"]
+    _closed_clean(device)
+
+
+def test_an_engine_whose_capture_fails_does_not_pass(device, gate_only, graphs, lively_model, tmp_path):
+    """The runtime falls back to uncaptured steps when a CUDA-graph capture fails, and its tokens are right;
+    the gate fails such an engine anyway and says why in verify.json (it used to read `passed`)."""
+    status, engine = _gate(tmp_path / "c", graphs["fp32"], graphs["fp32"], lively_model, "fp32", fail_capture=True)
+    graph_path = engine["paths"]["cuda_graph"]
+    assert status == "failed" and graph_path["captured"] is False and "capture" in graph_path["capture_error"].lower() \
+        or "execute_async_v3" in graph_path["capture_error"]
+    assert graph_path["greedy"]["agree"] and engine["paths"]["uncaptured"]["passed"]
     _closed_clean(device)
 
 
@@ -517,3 +568,19 @@ def test_close_lets_go_of_the_engine_and_a_forgotten_session_frees_its_memory(de
     del forgotten
     gc.collect()
     _closed_clean(device)
+
+
+def test_a_tensor_address_off_256_bytes_is_refused(device, graphs, tmp_path):
+    """TensorRT wants every tensor address 256-byte aligned (NvInferRuntime.h, setTensorAddress); the stand-in
+    refuses one that is only element-aligned, and the runtime's `bind` turns the refusal into an error."""
+    from andrea_export.runtime.trt import bind
+
+    trt = fake_tensorrt(device)
+    plan = write_plan(tmp_path / "decoder.plan", graphs["fp32"], optimization_profiles(read_kv_layout(graphs["fp32"])))
+    ctx = trt.Runtime(trt.Logger()).deserialize_cuda_engine(plan.read_bytes()).create_execution_context()
+    _, ptr = device.cudaMalloc(4096)
+    assert not ctx.set_tensor_address("logits", ptr + 4) and not ctx.set_tensor_address("logits", ptr + 128)
+    with pytest.raises(CudaError, match="refused the address of 'logits'.*256-byte"):
+        bind(ctx, {}, {"logits": ptr + 4})
+    bind(ctx, {}, {"logits": ptr + 256})
+    device.cudaFree(ptr)
