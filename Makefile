@@ -1,15 +1,17 @@
 # Two commands do everything on a fresh machine (see README):
 #   make build   set up .venv and run `andrea-export build` on its embedded default (ANDREA-120M)
-#   make test    set up .venv and run the test suite
+#   make test    set up .venv (and .venv-serve, the serving environment) and run the test suite
 # Set-up is idempotent: it reinstalls only when pyproject.toml changed.
 
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
+# `andrea-export serve` runs Triton from its own environment: nvidia-pytriton pins numpy < 2
+SERVE_VENV ?= .venv-serve
 # torch 2.13.0 CPU lies on these machines' disk (/opt/wheels); elsewhere pip takes it from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: build test setup clean
+.PHONY: build test setup serve-env clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,11 +22,20 @@ $(BIN)/.installed: pyproject.toml
 
 setup: $(BIN)/.installed
 
+$(SERVE_VENV)/bin/.installed: requirements-serve.txt pyproject.toml
+	$(PYTHON) -m venv $(SERVE_VENV)
+	$(SERVE_VENV)/bin/pip install -q --upgrade pip
+	$(SERVE_VENV)/bin/pip install -q -r requirements-serve.txt
+	$(SERVE_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+serve-env: $(SERVE_VENV)/bin/.installed
+
 build: setup
 	$(BIN)/andrea-export build $(ARGS)
 
-test: setup
+test: setup serve-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) out
+	rm -rf $(VENV) $(SERVE_VENV) out

@@ -337,9 +337,13 @@ def inspect(path, as_json):
 @click.option("--overwrite", is_flag=True, help="Replace REPO/NAME if it exists.")
 @click.option("--allow-failed", is_flag=True, help="Package a build whose verification failed.")
 @click.option("--copy", "copy_files", is_flag=True, help="Copy the artifact instead of hard-linking it.")
+@click.option("--generate/--no-generate", "generate", default=None,
+              help="The generate model for Triton's Python backend (in-flight batching, token streaming; what "
+                   "`andrea-export serve` runs). [default: when the build has the in-place decoder]")
+@click.option("--generate-only", is_flag=True, help="Only the generate model, not the ONNX / engine models.")
 @_user_errors
 def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances, kind,
-            overwrite, allow_failed, copy_files):
+            overwrite, allow_failed, copy_files, generate, generate_only):
     """Package a build folder for Triton Inference Server: REPO/NAME/config.pbtxt + REPO/NAME/1/model.plan|onnx.
 
     The config is written from Triton's own ModelConfig message (needs the 'triton' extra). The engine's
@@ -360,7 +364,7 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     for model_dir in write_package(build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
                                    dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us,
                                    instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
-                                   hardlink=not copy_files):
+                                   hardlink=not copy_files, generate=generate, generate_only=generate_only):
         click.echo(model_dir)
 
 
@@ -445,6 +449,64 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
         if tok is not None:
             text = tok.decode(prompt + new)
             click.echo(for_terminal(text) if _stdout_is_terminal() else text)  # a pipe gets the text as it is
+
+
+@main.command()
+@click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint listens on.")
+@click.option("--port", "http_port", type=click.IntRange(0, 65535), default=8000, show_default=True,
+              help="Triton's HTTP/REST port (KServe v2 and /generate). 0: a free one.")
+@click.option("--grpc-port", type=click.IntRange(0, 65535), default=8001, show_default=True)
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=8002, show_default=True,
+              help="Triton's Prometheus metrics (/metrics).")
+@click.option("--openai-port", type=click.IntRange(0, 65535), default=9000, show_default=True,
+              help="The OpenAI-compatible front (/v1/models, /v1/completions).")
+@click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible front.")
+@click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=8, show_default=True,
+              help="Requests that share a decode step (in-flight batching slots).")
+@click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=32, show_default=True,
+              help="Prompt tokens prefilled per step: a joining prompt never stalls the running streams longer.")
+@click.option("--env", "env", type=click.Path(path_type=Path), default=None,
+              help="The serving environment (a venv with nvidia-pytriton, numpy < 2). [default: "
+                   "$ANDREA_EXPORT_SERVE_ENV, else ./.venv-serve, made by `make serve-env`]")
+@_user_errors
+def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_openai, slots, prefill_chunk, env):
+    """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
+    streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
+    front. Ctrl-C or SIGTERM stops accepting, finishes the requests in flight, and exits 0.
+
+    \b
+      andrea-export serve out/demo
+      curl -s localhost:8000/v2/models/andrea-tiny-fp32-generate/generate -d '{"text_input": "Create a new", "max_tokens": 16}'
+    """
+    import json
+    import signal
+    import threading
+
+    from .deploy.serve import start
+    from .progress import console, step
+
+    with step(f"Starting Triton Inference Server on {build_dir} (waiting for the model to be READY)"):
+        server = start(build_dir, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
+                       openai_port=None if no_openai else openai_port, slots=slots, prefill_chunk=prefill_chunk, env=env)
+    for kind, url in server.endpoints().items():
+        console.print(f"  {kind:16s} {url}", markup=False, highlight=False)
+    example = json.dumps({"input_ids": [1, 2, 3], "max_tokens": 16})
+    console.print(f"  try: curl -s {server.endpoints()['generate']} -d '{example}'", markup=False, highlight=False)
+    console.print("Serving; Ctrl-C stops (the requests in flight finish first).", markup=False)
+    stopped = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stopped.set())
+    while not stopped.wait(0.5):
+        if server.process.poll() is not None:
+            raise AndreaExportError(f"tritonserver exited with code {server.process.returncode}; its log ends:\n"
+                                    f"{server.log_tail()}")
+    console.print("Stopping: finishing the requests in flight", markup=False)
+    code = server.stop()
+    if code != 0:  # e.g. idle keep-alive clients held it open past its exit timeout: the requests had ended
+        from .progress import warn
+
+        warn(f"tritonserver exited with code {code}; its log ended:\n" + "\n".join(server.log_tail().splitlines()[-4:]))
 
 
 @main.command("train-demo")

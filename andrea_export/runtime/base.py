@@ -80,7 +80,7 @@ class Request:
 
 
 @dataclasses.dataclass
-class _Row:
+class CheckedRequest:
     """A checked request, as the loop runs it."""
 
     prompt: list[int]
@@ -215,8 +215,13 @@ class Session(abc.ABC):
         row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids))
         return (event for events in self._loop([row]) if (event := events[0]) is not None)
 
+    def check(self, request: Request) -> CheckedRequest:
+        """`request` checked against this model (InputError naming the bad field), with its own generator:
+        what the batcher (runtime/batcher.py) admits."""
+        return self._check(request)
+
     # -- the loop ----------------------------------------------------------------------------------------
-    def _check(self, r: Request, where: str | None = None) -> _Row:
+    def _check(self, r: Request, where: str | None = None) -> CheckedRequest:
         """The request checked (InputError naming `where`, if given), with its generator."""
         try:
             cfg = self.cfg
@@ -235,13 +240,13 @@ class Session(abc.ABC):
             if where is None:
                 raise
             raise InputError(f"{where}: {e}") from None
-        return _Row(prompt, int(n), sampling, np.random.default_rng(r.seed), frozenset(stops))
+        return CheckedRequest(prompt, int(n), sampling, np.random.default_rng(r.seed), frozenset(stops))
 
-    def _chunks(self, rows: list[_Row]) -> Iterator[list[_Row]]:
+    def _chunks(self, rows: list[CheckedRequest]) -> Iterator[list[CheckedRequest]]:
         """Consecutive rows, grouped as one step can hold them: at most max_batch rows, and the longest
         prompt plus the most new tokens within the context (a padded row's cache is as long as the longest)."""
         limit, context = self.max_batch or len(rows), self.cfg.n_positions
-        chunk: list[_Row] = []
+        chunk: list[CheckedRequest] = []
         for row in rows:
             width = max([len(r.prompt) for r in chunk] + [len(row.prompt)])
             steps = max([r.max_new_tokens for r in chunk] + [row.max_new_tokens])
@@ -252,7 +257,7 @@ class Session(abc.ABC):
         if chunk:
             yield chunk
 
-    def _generate(self, rows: list[_Row]) -> list[list[int]]:
+    def _generate(self, rows: list[CheckedRequest]) -> list[list[int]]:
         out: list[list[int]] = [[] for _ in rows]
         for events in self._loop(rows):
             for tokens, event in zip(out, events):
@@ -260,7 +265,7 @@ class Session(abc.ABC):
                     tokens.append(event[0])
         return out
 
-    def _loop(self, rows: list[_Row]) -> Iterator[list[tuple[int, np.ndarray] | None]]:
+    def _loop(self, rows: list[CheckedRequest]) -> Iterator[list[tuple[int, np.ndarray] | None]]:
         """Per step, for every row: (token, the logits it was chosen from), or None once the row has stopped."""
         width = max(len(r.prompt) for r in rows)
         ids = np.full((len(rows), width), PAD_ID, dtype=np.int64)

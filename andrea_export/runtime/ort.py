@@ -91,6 +91,61 @@ class OrtSession(Session):
         return contextlib.nullcontext(_OrtSteps(self))
 
 
+    def slot_cache(self, slots: int) -> SlotCache:
+        """`slots` sequences' cache for in-flight batching (runtime/batcher.py): needs the in-place decoder."""
+        if self.session is None:
+            raise InputError(f"{self.source}: this session is closed; load a new one")
+        if not self.layout.shared:
+            raise InputError(f"{self.source}: in-flight batching needs the in-place decoder (decoder.inplace.onnx: "
+                             "a build's CPU decoder; load the build folder with backend 'onnxruntime' on the CPU)")
+        return SlotCache(self, slots)
+
+
+class SlotCache:
+    """A fixed set of slots of the in-place cache, each holding one sequence: one host buffer [slots, n_head,
+    n_positions, head_dim] per layer and kind. `run(first, ids, held)` runs the rows `first` .. `first +
+    len(ids) - 1` in one call, binding that part of every buffer (batch is the leading axis, so a run of
+    consecutive slots is one contiguous block) as both past and present by pointer: a slot's prompt can be
+    prefilled, in chunks, while the others hold their sequences, and a decode step runs every slot at once.
+    A chunked prefill and a decode beside other slots give the same logits, bit for bit, as one sequence
+    alone (measured on ONNX Runtime 1.32's CPU GroupQueryAttention; the batcher's tests hold it to that)."""
+
+    def __init__(self, owner: OrtSession, slots: int):
+        if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 256:
+            raise InputError(f"slots must be an integer in 1..256, got {slots!r}")
+        L = owner.layout
+        self.owner, self.layout, self.slots = owner, L, slots
+        shape = (slots, L.n_head, L.n_positions, L.head_dim)
+        # never read before written: attention reads only each row's filled part
+        self.buffers = [np.empty(shape, dtype=np.dtype(L.cache_dtype)) for _ in L.past_names]
+        self.slot_bytes = self.buffers[0][0].nbytes
+
+    def run(self, first: int, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
+        """`ids` [rows, T] (right-padded), each row holding `held` tokens after this run -> logits [rows, T, vocab]."""
+        session, L = self.owner.session, self.layout
+        if session is None:
+            raise InputError(f"{self.owner.source}: this session is closed; load a new one")
+        rows = ids.shape[0]
+        if not (0 <= first and first + rows <= self.slots and held.shape == (rows,) and held.min() >= ids.shape[1]
+                and held.max() <= L.n_positions):
+            raise ValueError(f"run: rows {first}..{first + rows - 1} of {self.slots} slots, T {ids.shape[1]}, held {held}")
+        ids = np.ascontiguousarray(ids, dtype=np.int64)
+        mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
+        logits = np.empty((*ids.shape, L.vocab_size), dtype=np.float32)
+        binding = session.io_binding()
+        binding.bind_cpu_input(INPUT_IDS, ids)
+        binding.bind_cpu_input(ATTENTION_MASK, mask)
+        binding.bind_output(LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+        shape = [rows, L.n_head, L.n_positions, L.head_dim]
+        dtype = np.dtype(L.cache_dtype).type
+        for past, present, buffer in zip(L.past_names, L.present_names, self.buffers):
+            ptr = buffer.ctypes.data + first * self.slot_bytes
+            binding.bind_input(past, "cpu", 0, dtype, shape, ptr)
+            binding.bind_output(present, "cpu", 0, dtype, shape, ptr)
+        session.run_with_iobinding(binding)
+        return logits
+
+
 class _OrtSteps(Steps):
     """One call's cache: the `present.*` OrtValues of its last step, where ONNX Runtime allocated them."""
 

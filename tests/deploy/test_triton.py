@@ -371,7 +371,7 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path, onnx_only, monkeypatch):
         dst.write_bytes(b"half")
         raise OSError("disk full")
 
-    monkeypatch.setattr(common, "_place", broken)
+    monkeypatch.setattr(common, "place_file", broken)
     with pytest.raises(OSError, match="disk full"):
         write_triton_repo(build, tmp_path / "repo", kind="cpu")
     assert list((tmp_path / "repo").iterdir()) == []

@@ -111,7 +111,8 @@ def test_package_cli_writes_both_models(lively_build, tmp_path):
 
     result = CliRunner().invoke(main, ["package", str(lively_build), "--triton", str(tmp_path / "repo"), "--kind", "cpu"])
     assert result.exit_code == 0, result.output
-    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["andrea-tiny-fp32-decoder-onnx", "andrea-tiny-fp32-onnx"]
+    assert sorted(p.name for p in (tmp_path / "repo").iterdir()) == ["andrea-tiny-fp32-decoder-onnx",
+                                                                      "andrea-tiny-fp32-generate", "andrea-tiny-fp32-onnx"]
     for model in ("andrea-tiny-fp32-decoder-onnx", "andrea-tiny-fp32-onnx"):  # each with its copy of the weights
         weights = tmp_path / "repo" / model / "1" / "model.onnx" / "weights.fp32.data"
         assert weights.read_bytes() == (lively_build / "weights.fp32.data").read_bytes()
@@ -179,4 +180,4 @@ def test_package_without_kind_on_a_machine_without_a_gpu_packages_for_the_cpu_an
     assert result.exit_code == 0, result.output
     assert "no GPU on this machine" in " ".join(result.output.split()), result.output
     configs = [p.read_text() for p in repo.glob("*/config.pbtxt")]
-    assert len(configs) == 2 and all("KIND_CPU" in c and "KIND_GPU" not in c for c in configs)
+    assert len(configs) == 3 and all("KIND_CPU" in c and "KIND_GPU" not in c for c in configs)  # generate: always CPU

@@ -4,6 +4,7 @@ Triton types, the config's `parameters`, and the atomic writing of a model folde
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import shutil
@@ -214,7 +215,30 @@ def plugin_line(manifest: dict) -> str:
 
 
 def write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend: str, manifest_path: Path,
-                     manifest: dict, *, overwrite: bool, hardlink: bool) -> Path:
+                    manifest: dict, *, overwrite: bool, hardlink: bool) -> Path:
+    with staged_model_dir(repo, name, overwrite) as model_dir:
+        version = model_dir / VERSION_DIR
+        version.mkdir(parents=True)
+        if backend == "tensorrt":
+            place_file(artifact, version / "model.plan", hardlink)
+        else:
+            locations = graph_weights(manifest_path.parent, manifest, artifact, PackageError)
+            if locations:  # Triton: a multi-file ONNX model is a folder named model.onnx holding model.onnx
+                (version / "model.onnx").mkdir()
+                place_file(artifact, version / "model.onnx" / "model.onnx", hardlink)
+                for loc in locations:  # copied: onnx refuses a weights file with several hard links
+                    place_file(artifact.parent / loc, version / "model.onnx" / loc, hardlink=False)
+            else:
+                place_file(artifact, version / "model.onnx", hardlink)
+        shutil.copyfile(manifest_path, model_dir / PROVENANCE)
+        (model_dir / "config.pbtxt").write_text(config, encoding="utf-8")
+    return repo / name
+
+
+@contextlib.contextmanager
+def staged_model_dir(repo: Path, name: str, overwrite: bool):
+    """Yield an empty folder to assemble the model `name` in, beside the repository; on success it replaces
+    REPO/name in one rename (a polling Triton never sees half a model), on failure it is removed."""
     final = repo / name
     if final.is_symlink() or final.is_file():
         raise PackageError(f"{final} exists and is not a folder; remove it or choose another name")
@@ -224,28 +248,14 @@ def write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend:
     tmp_root = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".partial", dir=_staging_parent(repo)))
     try:
         model_dir = tmp_root / name
-        version = model_dir / VERSION_DIR
-        version.mkdir(parents=True)
-        if backend == "tensorrt":
-            _place(artifact, version / "model.plan", hardlink)
-        else:
-            locations = graph_weights(manifest_path.parent, manifest, artifact, PackageError)
-            if locations:  # Triton: a multi-file ONNX model is a folder named model.onnx holding model.onnx
-                (version / "model.onnx").mkdir()
-                _place(artifact, version / "model.onnx" / "model.onnx", hardlink)
-                for loc in locations:  # copied: onnx refuses a weights file with several hard links
-                    _place(artifact.parent / loc, version / "model.onnx" / loc, hardlink=False)
-            else:
-                _place(artifact, version / "model.onnx", hardlink)
-        shutil.copyfile(manifest_path, model_dir / PROVENANCE)
-        (model_dir / "config.pbtxt").write_text(config, encoding="utf-8")
+        model_dir.mkdir()
+        yield model_dir
         if final.exists():  # empty, or overwrite=True: one swap; the old one is removed with tmp_root
             swap_folders(model_dir, final)
         else:
             os.replace(model_dir, final)
     finally:
         shutil.rmtree(tmp_root, ignore_errors=True)
-    return final
 
 
 def _staging_parent(repo: Path) -> Path:
@@ -260,7 +270,7 @@ def _staging_parent(repo: Path) -> Path:
     return repo
 
 
-def _place(src: Path, dst: Path, hardlink: bool) -> None:
+def place_file(src: Path, dst: Path, hardlink: bool) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     if hardlink:
         try:

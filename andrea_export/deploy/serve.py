@@ -1,0 +1,221 @@
+"""`andrea-export serve BUILD`: a real Triton Inference Server on a build folder, its generate model batching in
+flight and streaming tokens (deploy/triton/served.py), with an OpenAI-compatible front (openai_front.py).
+
+    from andrea_export.deploy.serve import start
+    with start("out/andrea-120m-fp32", http_port=8000) as server:    # waits until the model is READY
+        print(server.endpoints())
+
+The server is the `tritonserver` binary and Python backend that the `nvidia-pytriton` wheel ships (the
+same server as NVIDIA's containers, with the Python backend only). That wheel pins numpy < 2, so it lives
+in a serving environment of its own, made by `make serve-env` (.venv-serve: nvidia-pytriton and the
+runtime's packages, andrea-export itself without its build dependencies); `--env`, $ANDREA_EXPORT_SERVE_ENV
+or ./.venv-serve says where. The Python-backend stub runs the model in that environment's Python.
+
+On a GPU host, serve the repository that `package --triton` writes with NVIDIA's Triton container instead
+(docs/deploying.md). Everything listens on 127.0.0.1 unless told otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..errors import AndreaExportError
+
+ENV_VAR = "ANDREA_EXPORT_SERVE_ENV"
+DEFAULT_ENV = ".venv-serve"
+_PROBE = """import json, sys, pathlib, pytriton
+root = pathlib.Path(pytriton.__file__).parent
+print(json.dumps({"dist": str(root / "tritonserver"), "libs": str(root.parent / "nvidia_pytriton.libs"),
+                  "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "numpy": __import__("numpy").__version__}))
+"""
+
+
+class ServeError(AndreaExportError):
+    """The server could not be started or did not become ready."""
+
+
+def serve_python(env: str | Path | None = None) -> Path:
+    """The serving environment's Python: `env` (a venv folder or its python), $ANDREA_EXPORT_SERVE_ENV, or ./.venv-serve."""
+    chosen = env or os.environ.get(ENV_VAR) or DEFAULT_ENV
+    path = Path(chosen)
+    python = path if path.is_file() else path / "bin" / "python"
+    if not python.is_file():
+        raise ServeError(f"no serving environment at {path} (a Python with nvidia-pytriton, numpy < 2): make one with "
+                         f"`make serve-env` in the project, or say where it is with --env or ${ENV_VAR}")
+    return python
+
+
+def triton_dist(python: Path) -> dict:
+    """Where the serving environment's nvidia-pytriton keeps tritonserver, its libraries and stubs."""
+    try:
+        out = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=60, check=True)
+    except subprocess.CalledProcessError as e:
+        last = (e.stderr or "").strip().splitlines()[-1:] or ["no output"]
+        raise ServeError(f"{python}: nvidia-pytriton does not import there ({last[0]}); rerun `make serve-env`") from None
+    info = json.loads(out.stdout)
+    if int(info["numpy"].split(".")[0]) >= 2:
+        raise ServeError(f"{python}: numpy {info['numpy']}; the Triton Python backend of nvidia-pytriton 0.7 needs "
+                         "numpy < 2 (every response fails otherwise)")
+    return info
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """A running tritonserver (and its OpenAI front, when started with one)."""
+
+    def __init__(self, process, workspace: Path, model: str, host: str, ports: dict, log: Path):
+        self.process, self.workspace, self.model, self.host, self.ports, self.log = process, workspace, model, host, ports, log
+        self.front = None
+
+    def url(self, kind: str = "http") -> str:
+        return f"http://{self.host}:{self.ports[kind]}" if kind != "grpc" else f"{self.host}:{self.ports['grpc']}"
+
+    def endpoints(self) -> dict[str, str]:
+        out = {"http": self.url(), "grpc": self.url("grpc"), "metrics": f"{self.url('metrics')}/metrics",
+               "generate": f"{self.url()}/v2/models/{self.model}/generate",
+               "generate_stream": f"{self.url()}/v2/models/{self.model}/generate_stream"}
+        if self.front is not None:
+            out["openai"] = f"http://{self.host}:{self.ports['openai']}/v1"
+        return out
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log.exists():
+            return getattr(self, "final_log", "")
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, timeout: float = 60) -> int:
+        """Stop accepting, let the requests in flight finish (Triton's own shutdown on SIGTERM, up to its
+        exit timeout), then remove the workspace. Returns tritonserver's exit code."""
+        if self.front is not None:
+            self.front.shutdown()
+        code = self.process.poll()
+        if code is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                code = self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                code = self.process.wait()
+        self.final_log = self.log_tail()  # the workspace (and the log in it) goes now
+        shutil.rmtree(self.workspace, ignore_errors=True)
+        return code
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
+          metrics_port: int = 8002, openai_port: int | None = None, slots: int = 8, prefill_chunk: int = 32,
+          env: str | Path | None = None, ready_timeout: float = 180, exit_timeout: int = 30) -> Server:
+    """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY
+    (ServeError with the server's log when it does not get there). Port 0: a free one."""
+    from .triton.generate import write_generate_model
+
+    workspace = Path(tempfile.mkdtemp(prefix="andrea-serve-"))
+    try:
+        model = write_generate_model(build_dir, workspace / "models", slots=slots, prefill_chunk=prefill_chunk,
+                                     in_place=True).name
+    except BaseException:
+        shutil.rmtree(workspace, ignore_errors=True)
+        raise
+    server = start_repository(workspace / "models", model, host=host, http_port=http_port, grpc_port=grpc_port,
+                              metrics_port=metrics_port, env=env, ready_timeout=ready_timeout,
+                              exit_timeout=exit_timeout, workspace=workspace)
+    if openai_port is not None:
+        from .openai_front import start_front
+
+        try:
+            server.ports["openai"] = openai_port or free_port(host)
+            server.front = start_front(server, host, server.ports["openai"], _tokenizer(build_dir))
+        except BaseException:
+            server.stop(timeout=10)
+            raise
+    return server
+
+
+def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", http_port: int = 8000,
+                     grpc_port: int = 8001, metrics_port: int = 8002, env: str | Path | None = None,
+                     ready_timeout: float = 180, exit_timeout: int = 30, workspace: Path | None = None) -> Server:
+    """Start tritonserver on a model repository (`package --triton` writes one) and wait until `model` is READY.
+    The server's backends and log go to `workspace` (a new temporary folder by default), removed by stop()."""
+    python = serve_python(env)
+    dist = triton_dist(python)
+    ports = {k: (p or free_port(host)) for k, p in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port))}
+    workspace = workspace or Path(tempfile.mkdtemp(prefix="andrea-serve-"))
+    try:
+        backends = workspace / "backends"
+        shutil.copytree(Path(dist["dist"]) / "backends", backends)  # the stub for this Python goes beside the backend
+        shutil.copy(Path(dist["dist"]) / "python_backend_stubs" / dist["python"] / "triton_python_backend_stub",
+                    backends / "python" / "triton_python_backend_stub")
+        cmd = [str(Path(dist["dist"]) / "bin" / "tritonserver"), f"--model-repository={Path(repo).resolve()}",
+               f"--backend-directory={backends}", f"--cache-directory={Path(dist['dist']) / 'caches'}",
+               f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
+               f"--grpc-port={ports['grpc']}", f"--metrics-address={host}", f"--metrics-port={ports['metrics']}",
+               "--allow-gpu-metrics=false", f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true"]
+        child_env = dict(os.environ, PATH=f"{python.parent}:{os.environ.get('PATH', '')}",
+                         LD_LIBRARY_PATH=":".join(filter(None, [os.environ.get("LD_LIBRARY_PATH"), dist["libs"]])))
+        log = workspace / "tritonserver.log"
+        with open(log, "wb") as out:
+            process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+    except BaseException:
+        shutil.rmtree(workspace, ignore_errors=True)
+        raise
+    server = Server(process, workspace, model, host, ports, log)
+    try:
+        _wait_ready(server, ready_timeout)
+    except KeyboardInterrupt:
+        server.stop(timeout=10)
+        raise
+    except Exception as e:
+        tail = server.log_tail()
+        server.stop(timeout=10)
+        raise ServeError(f"{e}; the server's log ends:\n{tail}") from None
+    return server
+
+
+def _tokenizer(build_dir):
+    """The build's tokenizer (usage counts of the OpenAI front), or None."""
+    from ..runtime import tokenizer_path
+
+    path = tokenizer_path(build_dir)
+    if path is None:
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
+
+
+def _wait_ready(server: Server, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    url = f"{server.url()}/v2/models/{server.model}/ready"
+    while time.monotonic() < deadline:
+        if server.process.poll() is not None:
+            raise ServeError(f"tritonserver exited with code {server.process.returncode}")
+        with contextlib.suppress(urllib.error.URLError, OSError):
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        time.sleep(0.25)
+    raise ServeError(f"the model was not READY after {timeout:.0f} s")

@@ -1,0 +1,89 @@
+"""The generate model of a build, for Triton's Python backend (served.py): in-flight batching and token streaming.
+
+    from andrea_export.deploy.triton.generate import write_generate_model
+    write_generate_model("out/andrea-120m-fp32", "models/")      # models/andrea-120m-fp32-generate/
+
+    REPO/<name>-generate/config.pbtxt       backend "python", decoupled, the generate inputs and outputs
+    REPO/<name>-generate/1/model.py         `from andrea_export.deploy.triton.served import TritonPythonModel`
+    REPO/<name>-generate/1/build/           what the runtime reads: manifest, in-place decoder, weights,
+                                            tokenizer (hard links where the file system allows)
+    REPO/<name>-generate/andrea-build.json  the build's manifest (provenance, as the other models have)
+
+The serving Python needs andrea-export and its runtime's packages (numpy, onnx, onnxruntime, tokenizers): the
+`serve` environment (make serve-env) has them; in NVIDIA's Triton container, `pip install andrea-export` first.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from ...errors import PackageError
+from ...folder.reader import MANIFEST, artifact, changed_artifacts
+from ...graphs.external_data import graph_weights
+from .common import (
+    PROVENANCE,
+    VERSION_DIR,
+    check_status,
+    config_text,
+    model_config_pb2,
+    place_file,
+    reading_build,
+    staged_model_dir,
+)
+from .served import BUILD_DIR, INPUTS, OUTPUTS
+
+MODEL_PY = '''"""Triton Python-backend model written by andrea-export (deploy/triton/generate.py)."""
+
+from andrea_export.deploy.triton.served import TritonPythonModel  # noqa: F401
+'''
+
+
+@reading_build
+def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, slots: int = 8,
+                         prefill_chunk: int = 32, instances: int = 1, overwrite: bool = False, allow_failed: bool = False,
+                         hardlink: bool = True, in_place: bool = False, manifest: dict) -> Path:
+    """Write REPO/<name> (default `<model>-<precision>-generate`) from the build folder; returns the model folder.
+    `in_place`: the model reads the build folder where it is (its absolute path in the config's parameters)
+    instead of a copy in 1/build/: what `serve` does, for a repository that lives as long as the server."""
+    build_dir, repo = Path(build_dir), Path(repo_dir)
+    check_status(build_dir, manifest, allow_failed, "the generate model")
+    have = manifest["artifacts"]
+    if "decoder_onnx_inplace" not in have:
+        raise PackageError(f"{build_dir}: no in-place decoder (decoder.inplace.onnx), which the generate model batches "
+                           "over; bf16 builds have none (ONNX Runtime's CPU provider has no bf16 kernels): build fp32, "
+                           "fp16, int8 or int4 with the decoder")
+    if not 1 <= slots <= 256 or not 1 <= prefill_chunk <= manifest["model"]["n_positions"]:
+        raise PackageError(f"slots must be 1..256 and prefill_chunk 1..n_positions, got {slots} and {prefill_chunk}")
+    roles = ["decoder_onnx_inplace"] + [r for r in ("tokenizer", "tokenizer_config") if r in have]
+    if changed := changed_artifacts(build_dir, {"artifacts": {r: have[r] for r in roles}}):
+        raise PackageError(f"{build_dir}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    decoder = artifact(build_dir, manifest, "decoder_onnx_inplace")
+    files = [have[r]["path"] for r in roles] + graph_weights(build_dir, manifest, decoder, PackageError)
+    name = name or f"{manifest['model']['name']}-{manifest['precision']}-generate"
+
+    pb = model_config_pb2()
+    cfg = pb.ModelConfig(name=name, backend="python", max_batch_size=0)
+    cfg.model_transaction_policy.decoupled = True
+    for tensor_name, (dtype, dims) in INPUTS.items():
+        cfg.input.add(name=tensor_name, data_type=pb.DataType.Value(dtype), dims=dims, optional=True)
+    for tensor_name, (dtype, dims) in OUTPUTS.items():
+        cfg.output.add(name=tensor_name, data_type=pb.DataType.Value(dtype), dims=dims)
+    cfg.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=instances)
+    for key, value in (("slots", slots), ("prefill_chunk", prefill_chunk)):
+        cfg.parameters[key].string_value = str(value)
+    if in_place:
+        cfg.parameters["build_dir"].string_value = str(build_dir.resolve())
+
+    with staged_model_dir(repo, name, overwrite) as model_dir:
+        version = model_dir / VERSION_DIR
+        version.mkdir()
+        if not in_place:
+            (version / BUILD_DIR).mkdir()
+            for f in files:  # weights copied: onnx refuses a weights file with several hard links
+                place_file(build_dir / f, version / BUILD_DIR / f, hardlink=hardlink and not f.endswith(".data"))
+            shutil.copyfile(build_dir / MANIFEST, version / BUILD_DIR / MANIFEST)
+        (version / "model.py").write_text(MODEL_PY, encoding="utf-8")
+        shutil.copyfile(build_dir / MANIFEST, model_dir / PROVENANCE)
+        (model_dir / "config.pbtxt").write_text(config_text(cfg), encoding="utf-8")
+    return repo / name

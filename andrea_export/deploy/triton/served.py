@@ -1,0 +1,174 @@
+"""The generate model for Triton's Python backend: `TritonPythonModel` around the runtime's in-flight batcher.
+
+A model folder written by generate.py holds a three-line model.py that imports this class, and the build's
+files the runtime reads (build/: manifest, in-place decoder, weights, tokenizer). Shaped as vLLM's Triton
+backend is: decoupled, `execute` parses each request and hands it to the batcher's engine thread, which
+sends the tokens as they come (`stream`) or all at once; it returns at once. Nothing here imports torch.
+
+    inputs   text_input BYTES [1] (needs the build's tokenizer) or input_ids INT64 [-1]; max_tokens INT32 [1];
+             optional temperature FP32 [1] (0 or absent: greedy), top_k INT32 [1], top_p FP32 [1],
+             seed INT64 [1], stop_ids INT64 [-1], stream BOOL [1]
+    outputs  output_ids INT64 [-1]; text_output BYTES [1] (with a tokenizer)
+
+A bad request gets one error response naming the field, and nothing else in flight notices. A client that
+disconnects (`is_cancelled()` on its sender) leaves at the next step and frees its slot.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+INPUTS = {  # name -> (Triton type, dims)
+    "text_input": ("TYPE_STRING", [1]), "input_ids": ("TYPE_INT64", [-1]), "max_tokens": ("TYPE_INT32", [1]),
+    "temperature": ("TYPE_FP32", [1]), "top_k": ("TYPE_INT32", [1]), "top_p": ("TYPE_FP32", [1]),
+    "seed": ("TYPE_INT64", [1]), "stop_ids": ("TYPE_INT64", [-1]), "stream": ("TYPE_BOOL", [1]),
+}
+OUTPUTS = {"output_ids": ("TYPE_INT64", [-1]), "text_output": ("TYPE_STRING", [1])}
+BUILD_DIR = "build"  # inside the version folder
+
+
+class BadRequest(ValueError):
+    """A request the model answers with an error response (its message names the field)."""
+
+
+def parse_request(get, vocab_size: int, encode=None):
+    """A runtime Request from a request's inputs (`get(name)` -> numpy array or None), and whether it streams."""
+    from ...runtime import Request
+
+    def scalar(name, kind):
+        a = get(name)
+        if a is None:
+            return None
+        if a.size != 1:
+            raise BadRequest(f"{name}: one value expected, got shape {list(a.shape)}")
+        v = a.reshape(-1)[0]
+        if kind is int and not np.issubdtype(a.dtype, np.integer):
+            raise BadRequest(f"{name}: an integer expected, got {a.dtype}")
+        return kind(v)
+
+    text, ids = get("text_input"), get("input_ids")
+    if (text is None) == (ids is None):
+        raise BadRequest("give exactly one of text_input and input_ids")
+    if text is not None:
+        if encode is None:
+            raise BadRequest("text_input: this build has no tokenizer (build --tokenizer); send input_ids")
+        raw = text.reshape(-1)[0] if text.size == 1 else None
+        if not isinstance(raw, (bytes, str)):
+            raise BadRequest("text_input: one string expected")
+        try:
+            prompt = encode(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
+        except UnicodeDecodeError as e:
+            raise BadRequest(f"text_input: not UTF-8 ({e.reason} at byte {e.start})") from None
+    else:
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise BadRequest(f"input_ids: integers expected, got {ids.dtype}")
+        prompt = ids.reshape(-1).tolist()
+    max_tokens = scalar("max_tokens", int)
+    if max_tokens is None:
+        raise BadRequest("max_tokens: required")
+    if max_tokens < 1:
+        raise BadRequest(f"max_tokens must be a positive integer, got {max_tokens}")
+    temperature = scalar("temperature", float)
+    top_k, top_p, seed = scalar("top_k", int), scalar("top_p", float), scalar("seed", int)
+    stops = get("stop_ids")
+    stream = scalar("stream", bool) or False
+    if not temperature:
+        strategy, temperature = "greedy", 1.0
+    else:
+        strategy = "top-k" if top_k is not None and top_p is None else "top-p"
+    return Request(prompt, max_tokens, strategy, temperature, top_k if top_k is not None else 50,
+                   top_p if top_p is not None else 1.0, seed, [] if stops is None else stops.reshape(-1).tolist()), stream
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        import triton_python_backend_utils as pb_utils
+
+        from ... import runtime
+        from ...runtime.batcher import Batcher
+
+        self.pb = pb_utils
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+        build = Path(params.get("build_dir") or Path(args["model_repository"]) / args["model_version"] / BUILD_DIR)
+        self.session = runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
+        self.tokenizer = None
+        if (tok := runtime.tokenizer_path(build)) is not None:
+            from tokenizers import Tokenizer
+
+            self.tokenizer = Tokenizer.from_file(str(tok))
+        slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "32"))
+        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk)
+        cfg = self.session.cfg
+        pb_utils.Logger.log_info(
+            f"andrea generate model '{args['model_name']}': {cfg.name} ({cfg.n_layer} layers, context "
+            f"{cfg.n_positions}) from {build}, in-flight batching over {slots} slots, prefill chunk {chunk}, "
+            f"tokenizer {'yes' if self.tokenizer else 'no (input_ids only)'}")
+
+    def execute(self, requests):
+        from ...errors import InputError
+
+        pb = self.pb
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                req, stream = parse_request(lambda n: _input(pb, request, n), self.session.cfg.vocab_size,
+                                            self._encode if self.tokenizer else None)
+                self.batcher.submit(req, self._responder(sender, stream))
+            except (BadRequest, InputError, RuntimeError) as e:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(str(e))),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        return None
+
+    def finalize(self):
+        self.batcher.stop(drain=True)
+
+    def _encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text).ids
+
+    def _responder(self, sender, stream: bool):
+        """The batcher's callback for one request: it sends responses on the engine thread; raises once the
+        client is gone (the batcher then cancels the request)."""
+        pb, tok = self.pb, self.tokenizer
+        tokens: list[int] = []
+        sent_text = [""]
+
+        def tensors(ids: list[int], text: str | None):
+            out = [pb.Tensor("output_ids", np.asarray(ids, dtype=np.int64))]
+            if text is not None:
+                out.append(pb.Tensor("text_output", np.asarray([text.encode("utf-8")], dtype=np.object_)))
+            return out
+
+        def emit(event):
+            if sender.is_cancelled() and not event.final:
+                pb.Logger.log_info(f"a request was cancelled by its client after {len(tokens)} tokens: slot freed")
+                raise ConnectionAbortedError("the client cancelled the request")
+            final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.final else 0
+            if event.error:
+                sender.send(pb.InferenceResponse(error=pb.TritonError(event.error)), flags=final)
+                return
+            if event.token is not None:
+                tokens.append(event.token)
+            if stream:
+                new = [event.token] if event.token is not None else []
+                text = None
+                if tok is not None:  # the text so far less what was sent; a character still cut short
+                    full = tok.decode(tokens)  # (U+FFFD at the end) waits for its next token
+                    done = full if event.final else full.rstrip("\ufffd")
+                    text, sent_text[0] = done[len(sent_text[0]):], done
+                if new or text:
+                    sender.send(pb.InferenceResponse(tensors(new, text)), flags=final)
+                elif final:
+                    sender.send(flags=final)
+            elif event.final:
+                sender.send(pb.InferenceResponse(tensors(tokens, tok.decode(tokens) if tok else None)), flags=final)
+
+        return emit
+
+
+def _input(pb, request, name: str):
+    t = pb.get_input_tensor_by_name(request, name)
+    return None if t is None else t.as_numpy()

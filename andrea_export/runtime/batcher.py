@@ -1,0 +1,216 @@
+"""In-flight batching: requests join and leave one running batch at step boundaries, each streaming its tokens.
+
+    from andrea_export import runtime
+    from andrea_export.runtime.batcher import Batcher
+
+    with Batcher(runtime.load("out/build", "onnxruntime"), slots=8) as batcher:
+        ticket = batcher.submit(runtime.Request([1, 2, 3], 32, seed=0), print)   # print gets each Event
+        ...
+        ticket.cancel()                                                        # frees its slot at the next step
+
+One engine thread owns a SlotCache (ort.py: the in-place cache, one slot per sequence). Each step:
+  1. admit waiting requests into free slots (lowest first, so the running slots stay packed at the front);
+  2. cancelled requests leave, each with a final event;
+  3. prefill: at most `prefill_chunk` prompt tokens in all, oldest admission first, each slot's prompt in
+     chunks (a long prompt joins over several steps instead of stalling every stream for a whole prefill);
+     a slot whose prompt is complete samples its first token from the prefill's last logits;
+  4. one decode run over the slots 0 .. the highest decoding one: decoding slots feed their last token;
+     the others (free, or part-way through their prompt) feed a pad token that writes the position after
+     what they hold, which their next real write overwrites and nothing reads;
+  5. each decoding slot samples its token with its own settings and generator, and leaves when it stops.
+
+A request's tokens are exactly those of `Session.generate` run alone with the same settings and seed: the
+slot cache's runs give a sequence the same logits, bit for bit, whatever shares the step (tests hold it),
+and sampling draws from each request's own generator in the same order. A request that fails its check
+raises InputError from `submit` (naming the field) and never reaches the batch; a step that raises ends
+every running request with an error event and the batcher goes on with the next ones. Nothing here knows
+Triton: deploy/triton/generate.py wraps it in a Python-backend model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+import numpy as np
+
+from .base import PAD_ID, CheckedRequest, Request, Session
+from .sampling import next_token
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """What a request's callback gets: each new token, then (with the last one, or alone) `final`. reason:
+    "length" (max_new_tokens reached), "stop" (a stop id, included as the token), "cancelled", "error"."""
+
+    token: int | None
+    final: bool = False
+    reason: str | None = None
+    error: str | None = None
+
+
+class Ticket:
+    """A submitted request: `cancel()` makes it leave at the next step (its callback gets a final event)."""
+
+    def __init__(self, number: int):
+        self.number = number
+        self.cancelled = threading.Event()
+        self.finished = threading.Event()  # set after the final event was handed to the callback
+        self.submitted = time.perf_counter()
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.finished.wait(timeout)
+
+
+@dataclasses.dataclass
+class _Slot:
+    ticket: Ticket
+    row: CheckedRequest
+    emit: Callable[[Event], None]
+    fed: int = 0  # prompt tokens in the cache
+    held: int = 0  # tokens in the cache (the prompt's, then one per decode step)
+    last: int | None = None  # the token to feed next (None: still prefilling)
+    produced: int = 0
+
+
+class Batcher:
+    """In-flight batching over `session`'s in-place cache (see the module docstring). `slots`: the most
+    requests that share a step; `prefill_chunk`: prompt tokens prefilled per step, in all."""
+
+    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 32):
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        self.session = session
+        self.cache = session.slot_cache(slots)  # raises for a session without the in-place cache
+        self.slots: list[_Slot | None] = [None] * slots
+        self.prefill_chunk = prefill_chunk
+        self._waiting: deque[_Slot] = deque()
+        self._wake = threading.Condition()
+        self._accepting = True
+        self._stop = False
+        self._numbers = itertools.count()
+        self.steps = 0  # decode runs so far
+        self.step_rows: list[int] = []  # requests decoding in each run (the benchmark reads it)
+        self._thread = threading.Thread(target=self._engine, name="andrea-batcher", daemon=True)
+        self._thread.start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop(drain=exc[0] is None)
+
+    # -- from any thread ---------------------------------------------------------------------------------
+    def submit(self, request: Request, emit: Callable[[Event], None]) -> Ticket:
+        """Queue `request`; `emit` gets its Events on the engine thread (keep it short: hand them on). Raises
+        InputError for a bad request and RuntimeError once the batcher stopped accepting."""
+        row = self.session.check(request)
+        ticket = Ticket(next(self._numbers))
+        with self._wake:
+            if not self._accepting:
+                raise RuntimeError("the batcher is stopping: no new requests")
+            self._waiting.append(_Slot(ticket, row, emit))
+            self._wake.notify()
+        return ticket
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with `drain`, finish every request in flight and waiting, else cancel them; then end
+        the engine thread."""
+        with self._wake:
+            self._accepting = False
+            if not drain:
+                for s in [*self._waiting, *filter(None, self.slots)]:
+                    s.ticket.cancel()
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    @property
+    def active(self) -> int:
+        return sum(s is not None for s in self.slots) + len(self._waiting)
+
+    # -- the engine thread -------------------------------------------------------------------------------
+    def _engine(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self._waiting and not any(self.slots):
+                    self._wake.wait()
+                if self._stop and not self._waiting and not any(self.slots):
+                    return
+                for i in range(len(self.slots)):  # admit, lowest free slot first
+                    if self.slots[i] is None and self._waiting:
+                        self.slots[i] = self._waiting.popleft()
+            try:
+                self._step()
+            except Exception as e:  # the step's state is unknown: end every running request, go on
+                message = f"{type(e).__name__}: {e}"
+                for i, s in enumerate(self.slots):
+                    if s is not None:
+                        self._finish(i, Event(None, True, "error", message))
+
+    def _step(self) -> None:
+        for i, s in enumerate(self.slots):
+            if s is not None and s.ticket.cancelled.is_set():
+                self._finish(i, Event(None, True, "cancelled"))
+        budget = self.prefill_chunk
+        for i, s in sorted(((i, s) for i, s in enumerate(self.slots) if s is not None and s.last is None),
+                           key=lambda x: x[1].ticket.number):
+            if budget == 0:
+                break
+            prompt = s.row.prompt
+            n = min(budget, len(prompt) - s.fed)
+            logits = self.cache.run(i, np.asarray([prompt[s.fed:s.fed + n]]), np.asarray([s.fed + n]))
+            s.fed = s.held = s.fed + n
+            budget -= n
+            if s.fed == len(prompt):
+                self._sample(i, s, logits[0, -1])
+        decoding = [i for i, s in enumerate(self.slots) if s is not None and s.last is not None]
+        if not decoding:
+            return
+        rows = max(decoding) + 1
+        ids = np.full((rows, 1), PAD_ID, dtype=np.int64)
+        held = np.ones(rows, dtype=np.int64)
+        for i in range(rows):
+            s = self.slots[i]
+            held[i] = (s.held if s is not None else 0) + 1
+            if i in decoding:
+                ids[i, 0] = s.last
+        logits = self.cache.run(0, ids, held)
+        self.steps += 1
+        self.step_rows.append(len(decoding))
+        for i in decoding:
+            s = self.slots[i]
+            s.held += 1
+            self._sample(i, s, logits[i, -1])
+
+    def _sample(self, i: int, s: _Slot, logits: np.ndarray) -> None:
+        tok = next_token(logits, s.row.sampling, s.row.rng)
+        s.produced += 1
+        s.last = tok
+        reason = "stop" if tok in s.row.stops else "length" if s.produced == s.row.max_new_tokens else None
+        if reason:
+            self._finish(i, Event(tok, True, reason))
+        elif not self._emit(s, Event(tok)):
+            self._finish(i, Event(None, True, "cancelled"))
+
+    def _finish(self, i: int, event: Event) -> None:
+        s, self.slots[i] = self.slots[i], None
+        self._emit(s, event)
+        s.ticket.finished.set()
+
+    @staticmethod
+    def _emit(s: _Slot, event: Event) -> bool:
+        """Hand `event` to the request's callback; False when the callback raised (its client is gone)."""
+        try:
+            s.emit(event)
+            return True
+        except Exception:
+            s.ticket.cancel()
+            return False

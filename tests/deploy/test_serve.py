@@ -1,0 +1,349 @@
+"""`serve`: the real Triton Inference Server (nvidia-pytriton's tritonserver, from the serving environment that
+`make serve-env` makes) on the trained demo's build, listening on 127.0.0.1 only. Tokens over HTTP and gRPC,
+streaming or not, and through the OpenAI front with the official `openai` client, equal the runtime's
+`generate` on the same build; concurrent clients each get their own; bad requests get an error naming the
+field and the server goes on; a client that leaves frees its slot; SIGTERM drains."""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from andrea_export import runtime
+from andrea_export.deploy import serve as serve_module
+
+
+def _serving_env():
+    try:
+        serve_module.triton_dist(serve_module.serve_python())
+    except serve_module.ServeError as e:
+        pytest.skip(f"no serving environment here ({e}); `make serve-env` makes it (CI does)")
+
+
+@pytest.fixture(scope="module")
+def demo_build(demo_dir, tmp_path_factory):
+    """The trained demo built with its tokenizer and the decoders (TensorRT-RTX engines, built on the CPU)."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    out = tmp_path_factory.mktemp("serve") / "demo"
+    run_build(BuildOptions(checkpoint=str(demo_dir / "model.safetensors"), tokenizer=str(demo_dir / "tokenizer.json"),
+                           builder="tensorrt-rtx", out=str(out), greedy_steps=2, verify_shapes=[[1, 3]]))
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(demo_build):
+    _serving_env()
+    with serve_module.start(demo_build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0, slots=4,
+                            prefill_chunk=16) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def ours(demo_build):
+    with runtime.load(demo_build, backend="onnxruntime") as sess:
+        yield sess
+
+
+def _post(url: str, doc: dict, timeout: float = 60):
+    req = urllib.request.Request(url, data=json.dumps(doc).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _generate(server, doc: dict) -> dict:
+    status, body = _post(server.endpoints()["generate"], doc)
+    assert status == 200, body
+    return json.loads(body)
+
+
+def _stream(server, doc: dict) -> list[dict]:
+    status, body = _post(server.endpoints()["generate_stream"], {**doc, "stream": True})
+    assert status == 200, body
+    return [json.loads(line[6:]) for line in body.splitlines() if line.startswith(b"data: ")]
+
+
+PROMPTS = [[1, 2, 3], list(range(40, 100)), [7], list(range(200, 320))]
+
+
+@pytest.mark.parametrize("settings", [{}, {"temperature": 0.8, "top_k": 20, "seed": 3},
+                                      {"temperature": 0.9, "top_p": 0.8, "seed": 11}], ids=["greedy", "top-k", "top-p"])
+def test_http_generate_and_stream_equal_the_runtime(server, ours, settings):
+    for prompt in PROMPTS:
+        strategy = "greedy" if not settings else ("top-k" if "top_k" in settings else "top-p")
+        want = ours.generate(prompt, 8, strategy=strategy, temperature=settings.get("temperature", 1.0),
+                             top_k=settings.get("top_k", 50), top_p=settings.get("top_p", 1.0), seed=settings.get("seed"))
+        assert _generate(server, {"input_ids": prompt, "max_tokens": 8, **settings})["output_ids"] == want
+        events = _stream(server, {"input_ids": prompt, "max_tokens": 8, **settings})
+        assert [e["output_ids"] for e in events] == want
+
+
+def test_text_in_and_out(server, ours, demo_dir):
+    from andrea_export.model.text import encode, load_tokenizer
+
+    tok = load_tokenizer(demo_dir / "tokenizer.json")
+    want = ours.generate(encode(tok, "Create a new"), 12)
+    out = _generate(server, {"text_input": "Create a new", "max_tokens": 12})
+    assert out["output_ids"] == want and out["text_output"] == tok.decode(want)
+    streamed = _stream(server, {"text_input": "Create a new", "max_tokens": 12})
+    assert "".join(e.get("text_output", "") for e in streamed) == tok.decode(want)
+
+
+def test_grpc_streaming_equals_the_runtime(server, ours):
+    import tritonclient.grpc as grpcclient
+
+    got: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.url("grpc"))
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        for prompt in PROMPTS[:2]:
+            ids = grpcclient.InferInput("input_ids", [len(prompt)], "INT64")
+            ids.set_data_from_numpy(np.asarray(prompt, dtype=np.int64))
+            n = grpcclient.InferInput("max_tokens", [1], "INT32")
+            n.set_data_from_numpy(np.asarray([10], dtype=np.int32))
+            s = grpcclient.InferInput("stream", [1], "BOOL")
+            s.set_data_from_numpy(np.asarray([True]))
+            client.async_stream_infer(server.model, [ids, n, s], enable_empty_final_response=True)
+            tokens = []
+            while True:
+                result, error = got.get(timeout=60)
+                assert error is None, error
+                out = result.as_numpy("output_ids")  # the last token comes with the final flag
+                tokens += [] if out is None else out.tolist()
+                if result.get_response().parameters["triton_final_response"].bool_param:
+                    break
+            assert tokens == ours.generate(prompt, 10)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_sixteen_concurrent_clients_each_get_their_own_tokens(server, ours):
+    rng = np.random.default_rng(5)
+    jobs = []
+    for i in range(16):
+        prompt = rng.integers(0, ours.cfg.vocab_size, int(rng.integers(1, 90))).tolist()
+        jobs.append((prompt, int(rng.integers(1, 30)), i))
+    want = [ours.generate(p, n, strategy="top-k", temperature=0.8, top_k=40, seed=s) for p, n, s in jobs]
+
+    def client(job):
+        prompt, n, seed = job
+        doc = {"input_ids": prompt, "max_tokens": n, "temperature": 0.8, "top_k": 40, "seed": seed}
+        return [e["output_ids"] for e in _stream(server, doc)] if seed % 2 else _generate(server, doc)["output_ids"]
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(client, jobs)) == want
+
+
+@pytest.mark.parametrize("doc, field", [
+    ({"input_ids": [8449], "max_tokens": 4}, "outside the vocabulary"),
+    ({"input_ids": [1] * 120, "max_tokens": 20}, "exceeds the model's context"),
+    ({"input_ids": [1, 2], "max_tokens": 0}, "max_tokens"),
+    ({"input_ids": [1, 2]}, "max_tokens: required"),
+    ({"max_tokens": 4}, "exactly one of text_input and input_ids"),
+    ({"input_ids": [1, 2], "text_input": "a", "max_tokens": 4}, "exactly one of text_input and input_ids"),
+    ({"input_ids": [1.5, 2], "max_tokens": 4}, "Unable to parse 'data'"),  # Triton's own check of the JSON
+    ({"input_ids": [1, 2], "max_tokens": 4, "temperature": 0.5, "top_k": 0}, "top_k"),
+], ids=["vocab", "context", "max-tokens-0", "no-max-tokens", "no-prompt", "two-prompts", "float-ids", "top-k-0"])
+def test_each_bad_request_gets_its_error_and_the_server_goes_on(server, ours, doc, field):
+    status, body = _post(server.endpoints()["generate"], doc)
+    assert status in (400, 500) and field in json.loads(body)["error"], body  # 500: Triton's for unparsable JSON
+    assert _generate(server, {"input_ids": [5, 6], "max_tokens": 3})["output_ids"] == ours.generate([5, 6], 3)
+
+
+def test_non_utf8_text_is_refused_naming_the_field(server):
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(server.url("grpc"))
+    got: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: got.put((result, error)))
+    try:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.asarray([b"\xff\xfe bad"], dtype=np.object_))
+        n = grpcclient.InferInput("max_tokens", [1], "INT32")
+        n.set_data_from_numpy(np.asarray([4], dtype=np.int32))
+        client.async_stream_infer(server.model, [text, n])
+        _, error = got.get(timeout=60)
+        assert isinstance(error, InferenceServerException) and "text_input: not UTF-8" in str(error)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def long_build(tmp_path_factory):
+    """A random tiny model with a context of 2048 tokens: its long generations (about a second) outlast a client
+    that leaves, and a shutdown (the demo's 128-token context decodes in a blink)."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    d = tmp_path_factory.mktemp("long")
+    (d / "long.json").write_text(json.dumps({"name": "andrea-long", "vocab_size": 8449, "n_positions": 2048,
+                                             "n_embd": 64, "n_layer": 2, "n_head": 4}))
+    run_build(BuildOptions(config=str(d / "long.json"), builder="tensorrt-rtx", out=str(d / "build"), greedy_steps=2,
+                           verify_shapes=[[1, 3]]))
+    return d / "build"
+
+
+def test_a_client_that_leaves_frees_its_slot(long_build):
+    """One slot; a stream of 2000 tokens whose client leaves after its first: the next request is answered at
+    once (not after the 2000 tokens, about a second here), and the server logs the cancellation."""
+    import http.client
+
+    _serving_env()
+    with serve_module.start(long_build, http_port=0, grpc_port=0, metrics_port=0, slots=1) as s:
+        t0 = time.monotonic()
+        _post(s.endpoints()["generate"], {"input_ids": [1] * 10, "max_tokens": 2000})
+        full = time.monotonic() - t0
+        c = http.client.HTTPConnection(s.host, s.ports["http"], timeout=30)
+        c.request("POST", f"/v2/models/{s.model}/generate_stream",
+                  json.dumps({"input_ids": [1] * 10, "max_tokens": 2000, "stream": True}))
+        r = c.getresponse()
+        assert r.status == 200 and r.readline().startswith(b"data: ")
+        r.close()  # the client goes away mid-stream (the response holds the socket's file too)
+        c.close()
+        t0 = time.monotonic()
+        assert len(_generate(s, {"input_ids": [1, 2], "max_tokens": 2})["output_ids"]) == 2
+        waited = time.monotonic() - t0
+        deadline = time.monotonic() + 10
+        while "cancelled by its client" not in s.log_tail(100) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        cancelled = [line for line in s.log_tail(100).splitlines() if "cancelled by its client" in line]
+    assert len(cancelled) == 1 and int(cancelled[0].split("after ")[1].split(" tokens")[0]) < 2000
+    assert waited < full / 2, (waited, full)
+
+
+def test_the_openai_client_gets_the_same_completions(server, ours, demo_dir):
+    openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
+    from andrea_export.model.text import encode, load_tokenizer
+
+    tok = load_tokenizer(demo_dir / "tokenizer.json")
+    want = tok.decode(ours.generate(encode(tok, "Create a new"), 12))
+    client = openai.OpenAI(base_url=server.endpoints()["openai"], api_key="unused")
+    assert [m.id for m in client.models.list()] == [server.model]
+    r = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(encode(tok, "Create a new"))
+    streamed = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0,
+                                         stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == want
+    cut = want[3:6]
+    r = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0, stop=[cut])
+    assert r.choices[0].text == want[:want.index(cut)] and r.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
+        client.completions.create(model=server.model, prompt=[99999], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="n: only 1"):
+        client.completions.create(model=server.model, prompt="x", max_tokens=4, n=2)
+
+
+def test_health_metrics_and_a_clear_error_for_a_folder_that_is_no_build(server, tmp_path):
+    with urllib.request.urlopen(f"{server.url()}/v2/health/ready", timeout=10) as r:
+        assert r.status == 200
+    with urllib.request.urlopen(server.endpoints()["metrics"], timeout=10) as r:
+        assert b"nv_inference_request_success" in r.read()
+    from andrea_export.errors import PackageError
+
+    with pytest.raises(PackageError, match="no manifest.json"):
+        serve_module.start(tmp_path, http_port=0, grpc_port=0, metrics_port=0)
+
+
+def test_sigterm_drains_the_requests_in_flight(long_build):
+    """SIGTERM while a 1500-token stream is in flight: the stream gets every token, then the server exits 0."""
+    _serving_env()
+    with runtime.load(long_build, backend="onnxruntime") as sess:
+        want = sess.generate([3, 4], 1500)
+    s = serve_module.start(long_build, http_port=0, grpc_port=0, metrics_port=0, slots=2)
+    done: dict = {}
+    first = threading.Event()
+
+    def long_request():
+        import http.client
+
+        c = http.client.HTTPConnection(s.host, s.ports["http"], timeout=120)
+        c.request("POST", f"/v2/models/{s.model}/generate_stream",
+                  json.dumps({"input_ids": [3, 4], "max_tokens": 1500, "stream": True}))
+        r, tokens = c.getresponse(), []
+        for line in r:
+            if line.startswith(b"data: "):
+                tokens.append(json.loads(line[6:])["output_ids"])
+                first.set()
+        c.close()
+        done["tokens"] = tokens
+
+    t = threading.Thread(target=long_request)
+    t.start()
+    assert first.wait(30)  # in flight
+    assert s.stop(timeout=120) == 0
+    t.join(30)
+    assert done["tokens"] == want
+
+
+def test_the_serve_command_prints_its_endpoints_and_exits_0_on_sigterm(long_build):
+    import signal
+    import subprocess
+    import sys
+
+    _serving_env()
+    from andrea_export.deploy.serve import free_port
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "andrea_export", "serve", str(long_build), "--port", str(port),
+                             "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("Serving;"):
+            break
+    out = "".join(lines)
+    assert f"http://127.0.0.1:{port}/v2/models/andrea-long-fp32-generate/generate" in out and "try: curl -s" in out
+    assert _post(f"http://127.0.0.1:{port}/v2/models/andrea-long-fp32-generate/generate",
+                 {"input_ids": [1, 2], "max_tokens": 3})[0] == 200
+    proc.send_signal(signal.SIGTERM)
+    rest, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + rest
+    assert "Stopping: finishing the requests in flight" in rest
+
+
+def test_serve_refuses_a_folder_that_is_no_build_in_one_line(tmp_path):
+    from click.testing import CliRunner
+
+    from andrea_export.cli import main
+
+    result = CliRunner().invoke(main, ["serve", str(tmp_path)])
+    assert result.exit_code == 1 and "no manifest.json" in result.output and "Traceback" not in result.output
+
+
+def test_a_packaged_repository_serves_the_same_tokens(demo_build, ours, tmp_path):
+    """`package --triton REPO --generate-only` writes a self-contained generate model (the build's files in
+    1/build/): the real server loads it and answers as the runtime does."""
+    from click.testing import CliRunner
+
+    from andrea_export.cli import main
+    from andrea_export.deploy.triton import parse_config
+
+    _serving_env()
+    result = CliRunner().invoke(main, ["package", str(demo_build), "--triton", str(tmp_path / "repo"), "--generate-only"])
+    assert result.exit_code == 0, result.output
+    model = tmp_path / "repo" / "andrea-tiny-fp32-generate"
+    cfg = parse_config((model / "config.pbtxt").read_text())
+    assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
+    assert {i.name for i in cfg.input} == {"text_input", "input_ids", "max_tokens", "temperature", "top_k", "top_p",
+                                          "seed", "stop_ids", "stream"} and all(i.optional for i in cfg.input)
+    assert (model / "1" / "model.py").is_file() and (model / "1" / "build" / "manifest.json").is_file()
+    with serve_module.start_repository(tmp_path / "repo", "andrea-tiny-fp32-generate", http_port=0, grpc_port=0,
+                                       metrics_port=0) as s:
+        assert _generate(s, {"input_ids": [4, 5, 6], "max_tokens": 9})["output_ids"] == ours.generate([4, 5, 6], 9)

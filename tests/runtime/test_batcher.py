@@ -1,0 +1,176 @@
+"""In-flight batching (runtime/batcher.py) on the lively model's in-place decoder: requests of different prompt
+and output lengths joining and leaving one running batch each get exactly the tokens `generate` gives them
+alone; cancellation, bad requests, a failing step and stopping behave as a service needs."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from andrea_export import runtime
+from andrea_export.errors import InputError
+from andrea_export.runtime import Request
+from andrea_export.runtime.batcher import Batcher, Event
+
+
+@pytest.fixture(scope="module")
+def session(lively_model, tmp_path_factory):
+    from andrea_export.graphs.inplace_decoder import export_inplace_decoder
+
+    path = export_inplace_decoder(lively_model, tmp_path_factory.mktemp("inplace") / "decoder.inplace.onnx", quiet=True)
+    return runtime.load(path, backend="onnxruntime")
+
+
+class Collector:
+    """A request's callback: its tokens and its final event, with a flag set when it ends."""
+
+    def __init__(self):
+        self.tokens, self.final, self.done = [], None, threading.Event()
+
+    def __call__(self, e: Event):
+        if e.token is not None:
+            self.tokens.append(e.token)
+        if e.final:
+            self.final = e
+            self.done.set()
+
+
+def _requests(n: int, vocab: int) -> list[Request]:
+    rng = np.random.default_rng(7)
+    out = []
+    for i in range(n):
+        prompt = rng.integers(0, vocab, int(rng.integers(1, 60))).tolist()
+        strategy = ("greedy", "top-k", "top-p")[i % 3]
+        out.append(Request(prompt, int(rng.integers(1, 40)), strategy, temperature=0.8, top_k=20, top_p=0.9, seed=i))
+    return out
+
+
+def test_requests_joining_a_running_batch_get_exactly_their_tokens_alone(session):
+    """16 requests, mixed lengths and settings, submitted from threads at staggered times into 4 slots with a
+    small prefill chunk (so prompts join over several steps while others decode): each one's tokens are those
+    of generate alone, and steps really were shared."""
+    requests = _requests(16, session.cfg.vocab_size)
+    alone = [session.generate_batch([r])[0] for r in requests]
+    got = [Collector() for _ in requests]
+    with Batcher(session, slots=4, prefill_chunk=8) as b:
+        def client(i):
+            time.sleep(0.002 * (i % 5))
+            b.submit(requests[i], got[i])
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert all(c.done.wait(60) for c in got)
+    assert [c.tokens for c in got] == alone
+    assert {c.final.reason for c in got} <= {"length", "stop"}
+    assert max(b.step_rows) > 1  # rows shared steps
+
+
+def test_a_stop_id_ends_the_request_with_it(session):
+    prompt = [5, 6, 7]
+    free = session.generate(prompt, 20)
+    stop = free[6]
+    c = Collector()
+    with Batcher(session, slots=2) as b:
+        b.submit(Request(prompt, 20, stop_ids=[stop]), c)
+        assert c.done.wait(30)
+    assert c.tokens == free[:free.index(stop) + 1] and c.final.reason == "stop"
+
+
+def test_cancel_frees_the_slot_at_once(session):
+    """One slot: a long request is cancelled after a few tokens; the next request, queued behind it, runs."""
+    first, second = Collector(), Collector()
+    got_three = threading.Event()
+
+    def on_first(e):
+        first(e)
+        if len(first.tokens) == 3:
+            got_three.set()
+
+    with Batcher(session, slots=1) as b:
+        t1 = b.submit(Request([1, 2, 3], 100), on_first)
+        t2 = b.submit(Request([4, 5], 5), second)
+        assert got_three.wait(30)
+        t1.cancel()
+        assert first.done.wait(30) and second.done.wait(30)
+    assert first.final.reason == "cancelled" and 3 <= len(first.tokens) < 100
+    assert second.tokens == session.generate([4, 5], 5) and t1.finished.is_set() and t2.finished.is_set()
+
+
+def test_a_callback_that_raises_is_a_client_gone(session):
+    """A callback that raises (its client disconnected) cancels its own request only."""
+    ok = Collector()
+
+    def gone(e):
+        raise ConnectionResetError("client went away")
+
+    with Batcher(session, slots=2) as b:
+        t = b.submit(Request([1, 2, 3], 50), gone)
+        b.submit(Request([9, 8], 6), ok)
+        assert t.wait(30) and ok.done.wait(30)
+    assert ok.tokens == session.generate([9, 8], 6)
+
+
+def test_bad_requests_are_refused_at_submit_naming_the_field(session):
+    n, vocab = session.cfg.n_positions, session.cfg.vocab_size
+    ok = Collector()
+    with Batcher(session, slots=2) as b:
+        b.submit(Request([1, 2], 8), ok)
+        for bad, field in ((Request([vocab], 4), "prompt"), (Request([1] * (n - 2), 5), "exceeds the model's context"),
+                           (Request([1], 0), "max_new_tokens"), (Request([1], 4, "top-k", top_k=0), "top_k"),
+                           (Request([1], 4, stop_ids=[-1]), "stop_ids"), (Request([], 4), "prompt")):
+            with pytest.raises(InputError, match=field):
+                b.submit(bad, Collector())
+        assert ok.done.wait(30)
+    assert ok.tokens == session.generate([1, 2], 8)
+
+
+def test_a_failing_step_ends_the_running_requests_with_an_error_and_the_next_ones_run(session, monkeypatch):
+    b = Batcher(session, slots=2)
+    real, calls = b.cache.run, {"n": 0}
+
+    def flaky(*a, **k):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost")
+        return real(*a, **k)
+
+    monkeypatch.setattr(b.cache, "run", flaky)
+    first, after = Collector(), Collector()
+    b.submit(Request([1, 2, 3], 20), first)
+    assert first.done.wait(30)
+    assert first.final.reason == "error" and "device lost" in first.final.error
+    b.submit(Request([3, 2], 6), after)
+    assert after.done.wait(30)
+    b.stop()
+    assert after.tokens == session.generate([3, 2], 6)
+
+
+def test_stop_drains_or_cancels(session):
+    running, queued = Collector(), Collector()
+    b = Batcher(session, slots=1)
+    b.submit(Request([1, 2], 30), running)
+    b.submit(Request([2, 3], 30), queued)
+    b.stop(drain=True)
+    assert running.tokens == session.generate([1, 2], 30) and queued.tokens == session.generate([2, 3], 30)
+    with pytest.raises(RuntimeError, match="stopping"):
+        b.submit(Request([1], 2), Collector())
+    a, c = Collector(), Collector()
+    b = Batcher(session, slots=1)
+    b.submit(Request([1, 2], 100), a)
+    b.submit(Request([2, 3], 100), c)
+    b.stop(drain=False)
+    assert a.final.reason == "cancelled" and c.final.reason == "cancelled" and len(c.tokens) < 100
+
+
+def test_the_standard_decoder_is_refused(build_dir):
+    with runtime.load(build_dir, backend="onnxruntime") as standard:
+        if standard.layout.shared:
+            pytest.skip("the folder's ONNX Runtime graph is the in-place one")
+        with pytest.raises(InputError, match="in-flight batching needs the in-place decoder"):
+            Batcher(standard)
