@@ -11,7 +11,7 @@ SERVE_VENV ?= .venv-serve
 # torch 2.13.0 CPU lies on these machines' disk (/opt/wheels); elsewhere pip takes it from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: build test setup serve-env clean
+.PHONY: build test setup serve-env bench-env clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,6 +31,14 @@ $(SERVE_VENV)/bin/.installed: requirements-serve.txt pyproject.toml
 
 serve-env: $(SERVE_VENV)/bin/.installed
 
+# `bench --serve` drives the server with NVIDIA's aiperf, from an environment of its own (not needed by the tests)
+.venv-aiperf/bin/.installed:
+	$(PYTHON) -m venv .venv-aiperf
+	.venv-aiperf/bin/pip install -q "aiperf==0.13.0"
+	touch $@
+
+bench-env: .venv-aiperf/bin/.installed
+
 build: setup
 	$(BIN)/andrea-export build $(ARGS)
 
@@ -38,4 +46,4 @@ test: setup serve-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(SERVE_VENV) out
+	rm -rf $(VENV) $(SERVE_VENV) .venv-aiperf out

@@ -572,9 +572,17 @@ def train_demo(out, seed, steps, threads):
                    "--no-spin: every ORT backend but genai sleeps between ops (for a machine shared with other work).")
 @click.option("--compare", nargs=2, type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
               metavar="A.json B.json", help="Only compare two earlier results: B/A ratios of the matching rows.")
+@click.option("--serve", "serve_builds", multiple=True, metavar="LABEL=BUILD",
+              help="Instead: the served model under load (the real Triton server of `serve`, streaming clients at "
+                   "1/4/8/16, in-flight vs one-at-a-time vs whole-request batching). Repeat for several builds.")
+@click.option("--serve-levels", default="1,4,8,16", show_default=True, help="Concurrent clients, comma-separated.")
+@click.option("--serve-per-client", type=click.IntRange(1), default=3, show_default=True,
+              help="Requests per client at each level.")
+@click.option("--serve-soak", type=click.IntRange(0), default=0, show_default=True,
+              help="Short requests after the levels (first build): errors and server memory growth.")
 @_user_errors
 def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, trt_engines, out,
-          spin, compare):
+          spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak):
     """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
     the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
 
@@ -585,6 +593,14 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
     from . import bench as bench_mod
     from .bench import report as bench_report
 
+    if serve_builds:
+        from .bench.serve import run_serve_benchmark
+
+        builds = dict(spec.split("=", 1) if "=" in spec else (Path(spec).name, spec) for spec in serve_builds)
+        levels = [int(x) for x in serve_levels.split(",") if x.strip()]
+        run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, out=out)
+        click.echo(f"report: {out / 'serve.md'}; serve.json and serve.png beside it")
+        return
     if compare:
         rows = bench_report.compare(*compare)
         click.echo(bench_report.compare_markdown(rows, compare[0].parent.name or "A", compare[1].parent.name or "B"))

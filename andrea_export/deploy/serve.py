@@ -46,8 +46,12 @@ class ServeError(AndreaExportError):
 
 
 def serve_python(env: str | Path | None = None) -> Path:
-    """The serving environment's Python: `env` (a venv folder or its python), $ANDREA_EXPORT_SERVE_ENV, or ./.venv-serve."""
-    chosen = env or os.environ.get(ENV_VAR) or DEFAULT_ENV
+    """The serving environment's Python: `env` (a venv folder or its python), $ANDREA_EXPORT_SERVE_ENV, else
+    ./.venv-serve, else the .venv-serve of the checkout this package runs from (what `make serve-env` makes)."""
+    chosen = env or os.environ.get(ENV_VAR)
+    if chosen is None:
+        checkout = Path(__file__).resolve().parents[2] / DEFAULT_ENV
+        chosen = DEFAULT_ENV if Path(DEFAULT_ENV).exists() or not checkout.exists() else checkout
     path = Path(chosen)
     python = path if path.is_file() else path / "bin" / "python"
     if not python.is_file():
@@ -128,7 +132,8 @@ class Server:
 
 def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, openai_port: int | None = None, slots: int = 8, prefill_chunk: int = 32,
-          env: str | Path | None = None, ready_timeout: float = 180, exit_timeout: int = 30) -> Server:
+          admit: str = "in-flight", env: str | Path | None = None, ready_timeout: float = 180,
+          exit_timeout: int = 30) -> Server:
     """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY
     (ServeError with the server's log when it does not get there). Port 0: a free one."""
     from .triton.generate import write_generate_model
@@ -136,7 +141,7 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
     workspace = Path(tempfile.mkdtemp(prefix="andrea-serve-"))
     try:
         model = write_generate_model(build_dir, workspace / "models", slots=slots, prefill_chunk=prefill_chunk,
-                                     in_place=True).name
+                                     admit=admit, in_place=True).name
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise

@@ -80,13 +80,21 @@ class _Slot:
     produced: int = 0
 
 
+ADMIT = ("in-flight", "whole")
+
+
 class Batcher:
     """In-flight batching over `session`'s in-place cache (see the module docstring). `slots`: the most
-    requests that share a step; `prefill_chunk`: prompt tokens prefilled per step, in all."""
+    requests that share a step; `prefill_chunk`: prompt tokens prefilled per step, in all. `admit`:
+    "in-flight" (a request joins at the next step) or "whole" (requests join only an idle batch, which then
+    runs until its last request ends: batching of whole requests, as a dynamic batcher does, for comparison)."""
 
-    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 32):
+    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 32, admit: str = "in-flight"):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
+        if admit not in ADMIT:
+            raise ValueError(f"admit must be one of {', '.join(ADMIT)}, got {admit!r}")
+        self.admit = admit
         self.session = session
         self.cache = session.slot_cache(slots)  # raises for a session without the in-place cache
         self.slots: list[_Slot | None] = [None] * slots
@@ -144,9 +152,10 @@ class Batcher:
                     self._wake.wait()
                 if self._stop and not self._waiting and not any(self.slots):
                     return
-                for i in range(len(self.slots)):  # admit, lowest free slot first
-                    if self.slots[i] is None and self._waiting:
-                        self.slots[i] = self._waiting.popleft()
+                if self.admit == "in-flight" or not any(self.slots):
+                    for i in range(len(self.slots)):  # admit, lowest free slot first
+                        if self.slots[i] is None and self._waiting:
+                            self.slots[i] = self._waiting.popleft()
             try:
                 self._step()
             except Exception as e:  # the step's state is unknown: end every running request, go on

@@ -174,3 +174,17 @@ def test_the_standard_decoder_is_refused(build_dir):
             pytest.skip("the folder's ONNX Runtime graph is the in-place one")
         with pytest.raises(InputError, match="in-flight batching needs the in-place decoder"):
             Batcher(standard)
+
+
+def test_whole_request_batching_admits_only_into_an_idle_batch(session):
+    """admit="whole": a request waits until every running one ended (batching of whole requests), and still
+    gets its tokens alone."""
+    long, short = Collector(), Collector()
+    seen_with_long = []
+    with Batcher(session, slots=4, admit="whole") as b:
+        b.submit(Request([1, 2, 3], 100), lambda e: (long(e), seen_with_long.append(short.done.is_set() or bool(short.tokens))))
+        time.sleep(0.01)
+        b.submit(Request([4, 5], 3), short)
+        assert long.done.wait(30) and short.done.wait(30)
+    assert not any(seen_with_long)  # no token of the short one while the long one ran
+    assert long.tokens == session.generate([1, 2, 3], 100) and short.tokens == session.generate([4, 5], 3)

@@ -21,6 +21,7 @@ from pathlib import Path
 from ...errors import PackageError
 from ...folder.reader import MANIFEST, artifact, changed_artifacts
 from ...graphs.external_data import graph_weights
+from ...runtime.batcher import ADMIT
 from .common import (
     PROVENANCE,
     VERSION_DIR,
@@ -42,7 +43,7 @@ from andrea_export.deploy.triton.served import TritonPythonModel  # noqa: F401
 @reading_build
 def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, slots: int = 8,
                          prefill_chunk: int = 32, instances: int = 1, overwrite: bool = False, allow_failed: bool = False,
-                         hardlink: bool = True, in_place: bool = False, manifest: dict) -> Path:
+                         hardlink: bool = True, in_place: bool = False, admit: str = "in-flight", manifest: dict) -> Path:
     """Write REPO/<name> (default `<model>-<precision>-generate`) from the build folder; returns the model folder.
     `in_place`: the model reads the build folder where it is (its absolute path in the config's parameters)
     instead of a copy in 1/build/: what `serve` does, for a repository that lives as long as the server."""
@@ -70,7 +71,9 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
     for tensor_name, (dtype, dims) in OUTPUTS.items():
         cfg.output.add(name=tensor_name, data_type=pb.DataType.Value(dtype), dims=dims)
     cfg.instance_group.add(kind=pb.ModelInstanceGroup.KIND_CPU, count=instances)
-    for key, value in (("slots", slots), ("prefill_chunk", prefill_chunk)):
+    if admit not in ADMIT:
+        raise PackageError(f"admit must be one of {', '.join(ADMIT)}, got {admit!r}")
+    for key, value in (("slots", slots), ("prefill_chunk", prefill_chunk), ("admit", admit)):
         cfg.parameters[key].string_value = str(value)
     if in_place:
         cfg.parameters["build_dir"].string_value = str(build_dir.resolve())

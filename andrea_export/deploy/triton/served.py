@@ -101,11 +101,12 @@ class TritonPythonModel:
 
             self.tokenizer = Tokenizer.from_file(str(tok))
         slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "32"))
-        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk)
+        admit = params.get("admit", "in-flight")
+        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk, admit=admit)
         cfg = self.session.cfg
         pb_utils.Logger.log_info(
             f"andrea generate model '{args['model_name']}': {cfg.name} ({cfg.n_layer} layers, context "
-            f"{cfg.n_positions}) from {build}, in-flight batching over {slots} slots, prefill chunk {chunk}, "
+            f"{cfg.n_positions}) from {build}, {admit} batching over {slots} slots, prefill chunk {chunk}, "
             f"tokenizer {'yes' if self.tokenizer else 'no (input_ids only)'}")
 
     def execute(self, requests):

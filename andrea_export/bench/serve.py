@@ -1,0 +1,304 @@
+"""The served model under load (`andrea-export bench --serve BUILD`): the real Triton server of deploy/serve.py,
+streaming clients at several concurrencies, in-flight batching against one request at a time and against
+batching of whole requests.
+
+For each build and mode, one server; for each concurrency C, C closed-loop clients (each sends its next
+request when its stream ends) work through the same list of requests (prompt and output lengths drawn at
+random, the same for every mode). Reported per level: aggregate tokens/s (tokens streamed / wall time),
+time to first token and inter-token latency p50 / p99 (every gap between two tokens of a stream, pooled),
+the server's resident memory (tritonserver and its Python stub). A soak of many short requests checks that
+nothing fails and that memory does not grow.
+
+Modes: "in-flight" (runtime/batcher.py, `slots` requests share each step, prompts prefilled in chunks),
+"serial" (one slot: one request at a time, what a server without batching does), and "whole" (the
+batcher admitting only into an idle batch, which runs until its last request ends: batching of whole
+requests, as Triton's dynamic batcher does for a model that takes a batch at a time; our generate model is
+decoupled and streams, which Triton's dynamic batcher does not serve, so this is its stand-in).
+
+The load generator is NVIDIA's aiperf (PyPI; its own environment: `make bench-env` makes .venv-aiperf),
+driving the OpenAI front's /v1/completions with streaming, C concurrent clients, synthetic prompts of a
+mean and spread of tokens (our tokenizer's) and as many output tokens: time to first token, the gaps
+between streamed chunks (inter_chunk_latency: every gap, pooled) and output tokens/s are aiperf's. Without
+aiperf, our own small client does the same on /generate_stream (http.client, one thread per client) and
+the document says which ran. genai-perf is on PyPI too but needs Triton's perf_analyzer binary, which PyPI
+does not serve. The server's resident memory is ours either way (/proc, after each level).
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+MODES = ("in-flight", "serial", "whole")
+LEVELS = (1, 4, 8, 16)
+
+
+def make_requests(n: int, vocab: int, prompt=(16, 128), output=(16, 128), seed: int = 0) -> list[tuple[list[int], int]]:
+    """`n` (prompt ids, max_tokens) with lengths uniform in the given ranges (inclusive)."""
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, vocab, int(rng.integers(prompt[0], prompt[1] + 1))).tolist(),
+             int(rng.integers(output[0], output[1] + 1))) for _ in range(n)]
+
+
+def stream_one(host: str, port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streaming request: arrival time of each token (seconds from the send), or the error."""
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection(host, port, timeout=600)
+    try:
+        conn.request("POST", f"/v2/models/{model}/generate_stream",
+                     json.dumps({"input_ids": prompt, "max_tokens": max_tokens, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}", "times": []}
+        times = []
+        for line in resp:
+            if line.startswith(b"data: "):
+                doc = json.loads(line[6:])
+                if "error" in doc:
+                    return {"error": str(doc["error"]), "times": times}
+                times.append(time.perf_counter() - t0)
+        return {"error": None, "times": times}
+    except OSError as e:
+        return {"error": f"{type(e).__name__}: {e}", "times": []}
+    finally:
+        conn.close()
+
+
+def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]]) -> dict:
+    """`concurrency` closed-loop clients over `requests`; the level's figures."""
+    todo = list(enumerate(requests))
+    lock = threading.Lock()
+    results: list[dict | None] = [None] * len(requests)
+
+    def client():
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, (prompt, n) = todo.pop(0)
+            results[i] = stream_one(server.host, server.ports["http"], server.model, prompt, n)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done = [r for r in results if r is not None]
+    errors = [r["error"] for r in done if r["error"]]
+    ttft = [r["times"][0] for r in done if r["times"]]
+    itl = [b - a for r in done for a, b in zip(r["times"], r["times"][1:])]
+    tokens = sum(len(r["times"]) for r in done)
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
+    return {"concurrency": concurrency, "requests": len(requests), "errors": len(errors), "first_error": errors[:1],
+            "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall,
+            "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)}, "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
+            "rss_mb": server_rss(server.process.pid) / 2**20}
+
+
+AIPERF_VAR = "ANDREA_EXPORT_AIPERF"
+
+
+def find_aiperf() -> str | None:
+    """aiperf's command: $ANDREA_EXPORT_AIPERF, ./.venv-aiperf, the checkout's .venv-aiperf, or on PATH."""
+    import shutil
+
+    checkout = Path(__file__).resolve().parents[2] / ".venv-aiperf" / "bin" / "aiperf"
+    for c in (os.environ.get(AIPERF_VAR), Path(".venv-aiperf/bin/aiperf"), checkout, shutil.which("aiperf")):
+        if c and Path(c).is_file():
+            return str(c)
+    return None
+
+
+def run_level_aiperf(aiperf: str, server, build: Path, concurrency: int, count: int, isl: tuple[int, int],
+                     osl: tuple[int, int], workdir: Path) -> dict:
+    """One level driven by aiperf on the OpenAI front: isl / osl are (mean, stddev) in tokens."""
+    import subprocess
+
+    art = workdir / f"aiperf-{server.model}-{concurrency}-{time.monotonic_ns()}"
+    cmd = [aiperf, "profile", "--model", server.model, "--url", f"http://{server.host}:{server.ports['openai']}",
+           "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
+           "--request-count", str(count), "--tokenizer", str(build), "--random-seed", "0",
+           "--synthetic-input-tokens-mean", str(isl[0]), "--synthetic-input-tokens-stddev", str(isl[1]),
+           "--output-tokens-mean", str(osl[0]), "--output-tokens-stddev", str(osl[1]), "--artifact-dir", str(art)]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"aiperf failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-500:]}")
+    d = json.loads((art / "profile_export_aiperf.json").read_text())
+    errors = sum(int(e.get("count", 1)) for e in d.get("error_summary") or [])
+    return {"concurrency": concurrency, "requests": count, "errors": errors, "first_error": (d.get("error_summary") or [])[:1],
+            "tokens": int(d["total_osl"]["avg"]), "wall_s": wall, "duration_s": d["benchmark_duration"]["avg"],
+            "tokens_per_s": d["output_token_throughput"]["avg"],
+            "ttft_ms": {"p50": d["time_to_first_token"]["p50"], "p99": d["time_to_first_token"]["p99"]},
+            "itl_ms": {"p50": d["inter_chunk_latency"]["p50"], "p99": d["inter_chunk_latency"]["p99"]},
+            "rss_mb": server_rss(server.process.pid) / 2**20, "load": "aiperf"}
+
+
+def server_rss(pid: int) -> int:
+    """Resident bytes of `pid` and every process under it (tritonserver and its Python-backend stubs)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                children.setdefault(int(fields[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    total, stack = 0, [pid]
+    while stack:
+        p = stack.pop()
+        stack += children.get(p, [])
+        try:
+            for line in Path(f"/proc/{p}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] = LEVELS, modes: Sequence[str] = MODES,
+                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 16, soak: int = 0,
+                        lengths: tuple[int, int] = (16, 128), load: str = "auto", out: str | Path | None = None,
+                        env=None, log=print) -> dict:
+    """Every build x mode x level; prompt and output lengths in `lengths` (tokens); `load`: "aiperf", "own"
+    or "auto" (aiperf when found). `soak` > 0: that many short requests at the top level on the first build
+    (in-flight), with memory after the first 100 and at the end. Writes serve.json, serve.md and serve.png
+    into `out` when given; returns the document."""
+    import tempfile
+
+    from ..deploy.serve import start
+    from .machine import environment
+
+    aiperf = find_aiperf() if load in ("auto", "aiperf") else None
+    if load == "aiperf" and aiperf is None:
+        raise RuntimeError(f"aiperf not found (make bench-env, or set ${AIPERF_VAR})")
+    doc: dict = {"environment": environment(), "settings": {"levels": list(levels), "modes": list(modes), "slots": slots,
+                                                             "prefill_chunk": prefill_chunk, "per_client": per_client,
+                                                             "lengths": list(lengths),
+                                                             "load": "aiperf " + aiperf if aiperf else "own client"},
+                 "runs": []}
+    work = Path(tempfile.mkdtemp(prefix="andrea-serve-bench-"))
+    for label, build in builds.items():
+        manifest = json.loads((Path(build) / "manifest.json").read_text())
+        vocab, n = manifest["model"]["vocab_size"], manifest["model"]["n_positions"]
+        lo, hi = (min(x, n // 4) for x in lengths)  # a prompt and its output within the context, with room
+        isl = osl = ((lo + hi) // 2, (hi - lo) // 4)  # aiperf: mean and spread
+        for mode in modes:
+            with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0 if aiperf else None,
+                       slots=1 if mode == "serial" else slots, prefill_chunk=prefill_chunk,
+                       admit="whole" if mode == "whole" else "in-flight", env=env) as server:
+                run_level(server, 2, make_requests(4, vocab, (8, 32), (8, 16), seed=99))  # warm-up
+                for c in levels:
+                    if aiperf:
+                        r = run_level_aiperf(aiperf, server, Path(build), c, c * per_client, isl, osl, work)
+                    else:
+                        r = run_level(server, c, make_requests(c * per_client, vocab, (lo, hi), (lo, hi), seed=c))
+                    r.update(build=label, mode=mode)
+                    doc["runs"].append(r)
+                    log(f"{label:6s} {mode:9s} x{c:<2d} {r['tokens_per_s']:7.1f} tok/s  ttft p50/p99 {r['ttft_ms']['p50']:6.1f}/"
+                        f"{r['ttft_ms']['p99']:6.1f} ms  itl p50/p99 {r['itl_ms']['p50']:6.1f}/{r['itl_ms']['p99']:6.1f} ms  "
+                        f"rss {r['rss_mb']:.0f} MB  errors {r['errors']}")
+                if soak and mode == "in-flight" and label == next(iter(builds)):
+                    doc["soak"] = _soak(server, soak, vocab, max(levels), log)
+    doc["goals"] = serve_goals(doc)
+    if out is not None:
+        write_serve_report(doc, Path(out))
+    return doc
+
+
+def _soak(server, count: int, vocab: int, concurrency: int, log) -> dict:
+    reqs = make_requests(count, vocab, (1, 64), (1, 32), seed=2026)
+    first = run_level(server, concurrency, reqs[:100])
+    rest = run_level(server, concurrency, reqs[100:])
+    r = {"requests": count, "errors": first["errors"] + rest["errors"], "first_error": first["first_error"] + rest["first_error"],
+         "rss_after_100_mb": first["rss_mb"], "rss_after_all_mb": rest["rss_mb"],
+         "rss_growth": rest["rss_mb"] / first["rss_mb"] - 1}
+    log(f"soak: {count} requests, {r['errors']} errors, RSS {r['rss_after_100_mb']:.0f} MB after 100, "
+        f"{r['rss_after_all_mb']:.0f} MB after all ({r['rss_growth']:+.1%})")
+    return r
+
+
+def serve_goals(doc: dict) -> list[dict]:
+    """The issue's goals, each with its measured value (reported, never asserted)."""
+    goals = []
+    runs = {(r["build"], r["mode"], r["concurrency"]): r for r in doc["runs"]}
+    for build in dict.fromkeys(r["build"] for r in doc["runs"]):
+        one = runs.get((build, "in-flight", 1))
+        for c, want in ((8, 3.5), (16, 4.0)):
+            r = runs.get((build, "in-flight", c))
+            if one and r:
+                got = r["tokens_per_s"] / one["tokens_per_s"]
+                goals.append({"goal": f"{build}: tokens/s at {c} streams >= {want}x one stream", "value": round(got, 2),
+                              "met": got >= want})
+        r16 = runs.get((build, "in-flight", 16))
+        if r16:
+            got = r16["itl_ms"]["p99"] / r16["itl_ms"]["p50"]
+            goals.append({"goal": f"{build}: inter-token p99 at 16 streams <= 2x its median", "value": round(got, 2),
+                          "met": got <= 2})
+            if one:
+                got = r16["ttft_ms"]["p99"] / one["ttft_ms"]["p50"]
+                goals.append({"goal": f"{build}: time to first token p99 at 16 <= 3x a lone request's (median at 1)",
+                              "value": round(got, 2), "met": got <= 3})
+    if s := doc.get("soak"):
+        goals.append({"goal": f"soak: {s['requests']} requests without an error, RSS within 10 % of after the first 100",
+                      "value": f"{s['errors']} errors, {s['rss_growth']:+.1%}", "met": s["errors"] == 0 and abs(s["rss_growth"]) <= 0.10})
+    return goals
+
+
+def write_serve_report(doc: dict, out: Path) -> None:
+    from ..folder.atomic import write_text_atomic
+
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "serve.json", json.dumps(doc, indent=2) + "\n")
+    lines = ["| build | mode | clients | tokens/s | x one stream | TTFT p50 / p99 ms | ITL p50 / p99 ms | RSS MB | errors |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    base = {(r["build"], r["mode"]): r["tokens_per_s"] for r in doc["runs"] if r["concurrency"] == 1}
+    for r in doc["runs"]:
+        ratio = r["tokens_per_s"] / base.get((r["build"], r["mode"]), float("nan"))
+        lines.append(f"| {r['build']} | {r['mode']} | {r['concurrency']} | {r['tokens_per_s']:.1f} | {ratio:.2f} | "
+                     f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | {r['itl_ms']['p50']:.1f} / "
+                     f"{r['itl_ms']['p99']:.1f} | {r['rss_mb']:.0f} | {r['errors']} |")
+    lines += ["", "| goal | measured | met |", "| --- | ---: | --- |"]
+    lines += [f"| {g['goal']} | {g['value']} | {'yes' if g['met'] else 'NO'} |" for g in doc["goals"]]
+    write_text_atomic(out / "serve.md", "\n".join(lines) + "\n")
+    _plot(doc, out / "serve.png")
+
+
+def _plot(doc: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for build in dict.fromkeys(r["build"] for r in doc["runs"]):
+        for mode, style in zip(MODES, ("-o", "--s", ":^")):
+            rs = [r for r in doc["runs"] if r["build"] == build and r["mode"] == mode]
+            if not rs:
+                continue
+            c = [r["concurrency"] for r in rs]
+            ax1.plot(c, [r["tokens_per_s"] for r in rs], style, label=f"{build} {mode}")
+            if mode == "in-flight":
+                ax2.plot(c, [r["itl_ms"]["p50"] for r in rs], style, label=f"{build} ITL p50")
+                ax2.plot(c, [r["itl_ms"]["p99"] for r in rs], style, alpha=0.5, label=f"{build} ITL p99")
+    ax1.set(xlabel="concurrent streaming clients", ylabel="tokens/s (all clients)", title="Aggregate throughput")
+    ax2.set(xlabel="concurrent streaming clients", ylabel="ms", title="Inter-token latency (in-flight)")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"andrea-export serve on {doc['environment']['cpu'].get('model', 'this machine')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
