@@ -464,7 +464,7 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible front.")
 @click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Requests that share a decode step (in-flight batching slots).")
-@click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=32, show_default=True,
+@click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Prompt tokens prefilled per step: a joining prompt never stalls the running streams longer.")
 @click.option("--env", "env", type=click.Path(path_type=Path), default=None,
               help="The serving environment (a venv with nvidia-pytriton, numpy < 2). [default: "
@@ -580,9 +580,12 @@ def train_demo(out, seed, steps, threads):
               help="Requests per client at each level.")
 @click.option("--serve-soak", type=click.IntRange(0), default=0, show_default=True,
               help="Short requests after the levels (first build): errors and server memory growth.")
+@click.option("--serve-load", type=click.Choice(["auto", "aiperf", "own"]), default="auto", show_default=True,
+              help="The load generator: NVIDIA's aiperf (make bench-env), our own streaming client, or aiperf when "
+                   "found. On a 2-core machine aiperf's processes take the cores the server needs: use own there.")
 @_user_errors
 def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, trt_engines, out,
-          spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak):
+          spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak, serve_load):
     """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
     the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
 
@@ -598,7 +601,7 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
 
         builds = dict(spec.split("=", 1) if "=" in spec else (Path(spec).name, spec) for spec in serve_builds)
         levels = [int(x) for x in serve_levels.split(",") if x.strip()]
-        run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, out=out)
+        run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, load=serve_load, out=out)
         click.echo(f"report: {out / 'serve.md'}; serve.json and serve.png beside it")
         return
     if compare:

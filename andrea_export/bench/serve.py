@@ -169,7 +169,7 @@ def server_rss(pid: int) -> int:
 
 
 def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] = LEVELS, modes: Sequence[str] = MODES,
-                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 16, soak: int = 0,
+                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 64, soak: int = 0,
                         lengths: tuple[int, int] = (16, 128), load: str = "auto", out: str | Path | None = None,
                         env=None, log=print) -> dict:
     """Every build x mode x level; prompt and output lengths in `lengths` (tokens); `load`: "aiperf", "own"

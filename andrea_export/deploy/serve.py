@@ -131,7 +131,7 @@ class Server:
 
 
 def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, openai_port: int | None = None, slots: int = 8, prefill_chunk: int = 32,
+          metrics_port: int = 8002, openai_port: int | None = None, slots: int = 8, prefill_chunk: int = 64,
           admit: str = "in-flight", env: str | Path | None = None, ready_timeout: float = 180,
           exit_timeout: int = 30) -> Server:
     """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY

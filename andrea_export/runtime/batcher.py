@@ -85,11 +85,14 @@ ADMIT = ("in-flight", "whole")
 
 class Batcher:
     """In-flight batching over `session`'s in-place cache (see the module docstring). `slots`: the most
-    requests that share a step; `prefill_chunk`: prompt tokens prefilled per step, in all. `admit`:
+    requests that share a step; `prefill_chunk`: prompt tokens prefilled per step, in all: the trade between
+    a joining request's first token and the running streams' worst gap (ANDREA-120M fp32, 16 clients, 2
+    cores, in process: 64 gave the first token in 0.3-0.4 s at the median against 1.1-1.3 s for 16, and an
+    inter-token p99 of 3.3-8x its median against 2.1-4.9x; tokens/s within this machine's noise). `admit`:
     "in-flight" (a request joins at the next step) or "whole" (requests join only an idle batch, which then
     runs until its last request ends: batching of whole requests, as a dynamic batcher does, for comparison)."""
 
-    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 32, admit: str = "in-flight"):
+    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 64, admit: str = "in-flight"):
         if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive integer, got {prefill_chunk!r}")
         if admit not in ADMIT:

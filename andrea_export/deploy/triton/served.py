@@ -100,7 +100,7 @@ class TritonPythonModel:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(tok))
-        slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "32"))
+        slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "64"))
         admit = params.get("admit", "in-flight")
         self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk, admit=admit)
         cfg = self.session.cfg
