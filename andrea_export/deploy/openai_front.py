@@ -55,10 +55,14 @@ def _handler(server, tokenizer):
             self._json(404, _error(f"no route {self.path}", "not_found"))
 
         def do_POST(self):
+            try:
+                body = self._body()  # read before any answer, so the connection stays in step
+            except FrontError as e:
+                self.close_connection = True
+                return self._json(e.status, _error(str(e)))
             if self.path != "/v1/completions":
                 return self._json(404, _error(f"no route {self.path}", "not_found"))
             try:
-                body = self._body()
                 feed, stops, stream = _translate(body, model)
             except FrontError as e:
                 return self._json(e.status, _error(str(e)))
@@ -98,13 +102,16 @@ def _handler(server, tokenizer):
             self.close_connection = True
 
         def _body(self) -> dict:
-            n = int(self.headers.get("Content-Length") or 0)
+            length = self.headers.get("Content-Length")
+            if self.headers.get("Transfer-Encoding") or length is None or not length.strip().isdigit():
+                raise FrontError("a JSON body with a Content-Length is needed", 411)
+            n = int(length)
             if n > MAX_BODY:
                 raise FrontError(f"request body of {n} bytes is over the {MAX_BODY} allowed", 413)
             try:
                 body = json.loads(self.rfile.read(n) or b"{}")
-            except (ValueError, UnicodeDecodeError) as e:
-                raise FrontError(f"the body is not JSON: {e}") from None
+            except (ValueError, UnicodeDecodeError, RecursionError) as e:
+                raise FrontError(f"the body is not JSON: {str(e)[:200]}") from None
             if not isinstance(body, dict):
                 raise FrontError("the body must be a JSON object")
             return body

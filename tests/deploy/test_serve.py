@@ -347,3 +347,44 @@ def test_a_packaged_repository_serves_the_same_tokens(demo_build, ours, tmp_path
     with serve_module.start_repository(tmp_path / "repo", "andrea-tiny-fp32-generate", http_port=0, grpc_port=0,
                                        metrics_port=0) as s:
         assert _generate(s, {"input_ids": [4, 5, 6], "max_tokens": 9})["output_ids"] == ours.generate([4, 5, 6], 9)
+
+
+def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(server, ours):
+    """Bodies that are not JSON, too deep, too big, without a length or with a negative one; unknown routes
+    and models: each a clear 4xx, and the front still answers the next request."""
+    import http.client
+
+    def raw(method, path, body=b"", headers=None):
+        c = http.client.HTTPConnection(server.host, server.ports["openai"], timeout=30)
+        try:
+            c.putrequest(method, path)
+            for k, v in (headers if headers is not None else {"Content-Length": str(len(body))}).items():
+                c.putheader(k, v)
+            c.endheaders()
+            if body:
+                c.send(body)
+            r = c.getresponse()
+            return r.status, r.read()
+        finally:
+            c.close()
+
+    cases = [
+        ("POST", "/v1/completions", b"{not json", None, 400, "not JSON"),
+        ("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, None, 400, "not JSON"),
+        ("POST", "/v1/completions", b"[1, 2]", None, 400, "a JSON object"),
+        ("POST", "/v1/completions", b"x", {"Content-Length": "-5"}, 411, "Content-Length"),
+        ("POST", "/v1/completions", b"", {}, 411, "Content-Length"),
+        ("POST", "/v1/completions", b"{}", {"Content-Length": str(2 << 20)}, 413, "over the"),
+        ("POST", "/v1/chat/completions", b"{}", None, 404, "no route"),
+        ("GET", "/v1/secrets", b"", None, 404, "no route"),
+        ("POST", "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), None, 404, "not served here"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": "8"}).encode(), None, 400, "max_tokens"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "x", "stop": ["a"] * 5}).encode(), None, 400, "stop"),
+        ("POST", "/v1/completions", json.dumps({"prompt": "x", "logprobs": 3}).encode(), None, 400, "logprobs"),
+    ]
+    for method, path, body, headers, status, words in cases:
+        got, answer = raw(method, path, body, headers)
+        assert got == status and words in json.loads(answer)["error"]["message"], (path, body[:40], got, answer[:200])
+    status, answer = _post(f"{server.endpoints()['openai']}/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
+    assert status == 200
+    assert json.loads(answer)["usage"]["completion_tokens"] == 3
