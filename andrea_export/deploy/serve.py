@@ -183,7 +183,9 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
                          LD_LIBRARY_PATH=":".join(filter(None, [os.environ.get("LD_LIBRARY_PATH"), dist["libs"]])))
         log = workspace / "tritonserver.log"
         with open(log, "wb") as out:
-            process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=child_env, start_new_session=True)
+            # its own session (a Ctrl-C reaches us, and we drain it), but it dies with us, kill -9 included
+            process = subprocess.Popen(_die_with_parent(cmd), stdout=out, stderr=subprocess.STDOUT, env=child_env,
+                                       start_new_session=True)
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
@@ -198,6 +200,14 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
         server.stop(timeout=10)
         raise ServeError(f"{e}; the server's log ends:\n{tail}") from None
     return server
+
+
+def _die_with_parent(cmd: list[str]) -> list[str]:
+    """`cmd` run so that it gets SIGTERM when the process that started it ends (PR_SET_PDEATHSIG, which
+    survives the exec), so a `serve` killed with -9 leaves no tritonserver behind: through util-linux's
+    setpriv where there is one (a preexec_fn would be unsafe beside the front's threads)."""
+    setpriv = shutil.which("setpriv")
+    return [setpriv, "--pdeathsig", "TERM", "--", *cmd] if setpriv else cmd
 
 
 def _tokenizer(build_dir):

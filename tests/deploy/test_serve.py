@@ -388,3 +388,43 @@ def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(serv
     status, answer = _post(f"{server.endpoints()['openai']}/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
     assert status == 200
     assert json.loads(answer)["usage"]["completion_tokens"] == 3
+
+
+def test_a_serve_killed_with_sigkill_leaves_no_server_behind(long_build):
+    """`serve` killed with -9 cannot drain; its tritonserver must still go (it gets SIGTERM when its parent dies)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    _serving_env()
+    proc = subprocess.Popen([sys.executable, "-m", "andrea_export", "serve", str(long_build), "--port", "0",
+                             "--grpc-port", "0", "--metrics-port", "0", "--no-openai"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    for line in proc.stdout:
+        if line.startswith("Serving;"):
+            break
+    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
+    assert children, "tritonserver was not started by serve"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    deadline = time.monotonic() + 60
+    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(c) for c in children)
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
