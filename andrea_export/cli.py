@@ -499,8 +499,9 @@ def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_o
         signal.signal(sig, lambda *_: stopped.set())
     while not stopped.wait(0.5):
         if server.process.poll() is not None:
-            raise AndreaExportError(f"tritonserver exited with code {server.process.returncode}; its log ends:\n"
-                                    f"{server.log_tail()}")
+            tail = server.log_tail()
+            server.stop()  # the front, the workspace
+            raise AndreaExportError(f"tritonserver exited with code {server.process.returncode}; its log ends:\n{tail}")
     console.print("Stopping: finishing the requests in flight", markup=False)
     code = server.stop()
     if code != 0:  # e.g. idle keep-alive clients held it open past its exit timeout: the requests had ended
@@ -600,7 +601,13 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
         from .bench.serve import run_serve_benchmark
 
         builds = dict(spec.split("=", 1) if "=" in spec else (Path(spec).name, spec) for spec in serve_builds)
-        levels = [int(x) for x in serve_levels.split(",") if x.strip()]
+        try:
+            levels = [int(x) for x in serve_levels.split(",") if x.strip()]
+        except ValueError:
+            raise click.BadParameter(f"{serve_levels!r}: comma-separated client counts, e.g. 1,4,8,16",
+                                     param_hint="--serve-levels") from None
+        if not levels or min(levels) < 1:
+            raise click.BadParameter("at least one client count, each >= 1", param_hint="--serve-levels")
         run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, load=serve_load, out=out)
         click.echo(f"report: {out / 'serve.md'}; serve.json and serve.png beside it")
         return

@@ -105,14 +105,7 @@ def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str) 
     for k, v in meta.items():
         out.metadata_props.add(key=k, value=v)
     out.metadata_props.add(key=PRECISION_KEY, value=precision)
-    with staging(onnx_out.parent) as tmp:
-        kw = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
-        onnx.save(out, str(tmp / onnx_out.name), **kw)
-        try:
-            onnx.checker.check_model(str(tmp / onnx_out.name))
-        except Exception as e:  # the quantizer's output or our fold is wrong: say what broke
-            raise ExportError(f"{precision} graph of {onnx_in.name} does not check: {str(e).splitlines()[0]}") from e
-    return onnx_out
+    return _save_checked(out, onnx_out, external, f"{precision} graph of {onnx_in.name}")
 
 
 def write_qdq(onnx_fp32: str | Path, onnx_out: str | Path, precision: str) -> Path:
@@ -121,14 +114,19 @@ def write_qdq(onnx_fp32: str | Path, onnx_out: str | Path, precision: str) -> Pa
     onnx_fp32, onnx_out = Path(onnx_fp32), Path(onnx_out)
     external = any(t.data_location == TensorProto.EXTERNAL
                    for t in onnx.load(str(onnx_fp32), load_external_data=False).graph.initializer)
-    out = to_qdq(onnx.load(str(onnx_fp32)), precision)
+    return _save_checked(to_qdq(onnx.load(str(onnx_fp32)), precision), onnx_out, external, f"Q/DQ graph of {onnx_fp32.name}")
+
+
+def _save_checked(model: onnx.ModelProto, onnx_out: Path, external: bool, what: str) -> Path:
+    """Write `model` to `onnx_out` atomically (weights to `<onnx_out>.data` when `external`), checked by
+    onnx's checker first: a wrong quantization or fold says what broke instead of landing."""
     with staging(onnx_out.parent) as tmp:
         kw = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
-        onnx.save(out, str(tmp / onnx_out.name), **kw)
+        onnx.save(model, str(tmp / onnx_out.name), **kw)
         try:
             onnx.checker.check_model(str(tmp / onnx_out.name))
         except Exception as e:
-            raise ExportError(f"Q/DQ graph of {onnx_fp32.name} does not check: {str(e).splitlines()[0]}") from e
+            raise ExportError(f"{what} does not check: {str(e).splitlines()[0]}") from e
     return onnx_out
 
 

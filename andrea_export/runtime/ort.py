@@ -129,13 +129,8 @@ class SlotCache:
         if not (0 <= first and first + rows <= self.slots and held.shape == (rows,) and held.min() >= ids.shape[1]
                 and held.max() <= L.n_positions):
             raise ValueError(f"run: rows {first}..{first + rows - 1} of {self.slots} slots, T {ids.shape[1]}, held {held}")
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
-        logits = np.empty((*ids.shape, L.vocab_size), dtype=np.float32)
         binding = session.io_binding()
-        binding.bind_cpu_input(INPUT_IDS, ids)
-        binding.bind_cpu_input(ATTENTION_MASK, mask)
-        binding.bind_output(LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+        logits = _bind_step(binding, ids, held, L.vocab_size)
         shape = [rows, L.n_head, L.n_positions, L.head_dim]
         dtype = np.dtype(L.cache_dtype).type
         for past, present, buffer in zip(L.past_names, L.present_names, self.buffers):
@@ -223,11 +218,19 @@ class _InplaceSteps(Steps):
 
     def _run(self, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
         """`ids` [B, T] (right-padded), each row holding `held` tokens after this step -> logits [B, T, vocab]."""
-        ids = np.ascontiguousarray(ids, dtype=np.int64)
-        mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
-        logits = np.empty((*ids.shape, self.layout.vocab_size), dtype=np.float32)  # ONNX Runtime writes here
-        self.binding.bind_cpu_input(INPUT_IDS, ids)  # rebinding a name replaces its previous array
-        self.binding.bind_cpu_input(ATTENTION_MASK, mask)
-        self.binding.bind_output(LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+        logits = _bind_step(self.binding, ids, held, self.layout.vocab_size)
         self.session.run_with_iobinding(self.binding)
         return logits
+
+
+def _bind_step(binding, ids: np.ndarray, held: np.ndarray, vocab_size: int) -> np.ndarray:
+    """Bind an in-place step's ids [B, T] (right-padded) and mask (each row holds `held` tokens after it) as
+    inputs (rebinding a name replaces its previous array) and a fresh logits array as the output, which
+    ONNX Runtime writes; returns that array."""
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
+    logits = np.empty((*ids.shape, vocab_size), dtype=np.float32)
+    binding.bind_cpu_input(INPUT_IDS, ids)
+    binding.bind_cpu_input(ATTENTION_MASK, mask)
+    binding.bind_output(LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+    return logits

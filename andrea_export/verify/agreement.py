@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..graphs.layout import KVLayout, kv_layout, read_kv_layout
+from ..graphs.layout import KVLayout, kv_layout, read_kv_layout, read_metadata
 from ..model.andrea import Andrea
-from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS, WEIGHT_ONLY
+from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS, PRECISION_KEY, WEIGHT_ONLY
 from ..runtime.base import Session, check_ids
 from .thresholds import TOLERANCES
 
@@ -115,7 +115,7 @@ def verify_decoder(
         run_layout = dataclasses.replace(layout, cache_dtype="float32")
     if layout.shared:  # the in-place graph keeps its own cache: run it through the runtime's steps
         candidate = _inplace_runner(onnx_path, providers, width + steps, name)
-    elif _precision(onnx_path) in WEIGHT_ONLY:  # a Q/DQ graph computed as TensorRT computes it
+    elif read_metadata(onnx_path).get(PRECISION_KEY, "fp32") in WEIGHT_ONLY:  # Q/DQ, computed as TensorRT does
         from .compare import weight_only_session
 
         candidate = OnnxrtRunner(weight_only_session(source, providers), name=name)
@@ -158,14 +158,6 @@ def verify_decoder(
     for entry, verdict in zip(per_step, result[(reference.name, candidate.name)]):
         entry["passed"] = all(bool(v) for v in verdict.values())
     return {"passed": bool(accuracy), "steps": steps, "tolerances": {"rtol": rtol, "atol": atol}, "per_step": per_step}
-
-
-def _precision(onnx_path) -> str:
-    import onnx
-
-    from ..graphs.precision import graph_precision
-
-    return graph_precision(onnx.load(str(onnx_path), load_external_data=False))
 
 
 def _real_positions(out: dict, mask: np.ndarray, new_tokens: int) -> dict:
@@ -318,4 +310,3 @@ def greedy_agreement(
             "candidate_margin": float(cand_logits[first][c] - cand_logits[first][r]),
         }
     return report
-

@@ -332,20 +332,21 @@ def print_summary(report: VerifyReport) -> None:
         console.print(f"KV-cache decoder {d['artifact']}: prefill + {d['steps']['steps']} decode steps vs PyTorch, "
                       f"max |logit diff| {worst:.2e}: ", styled("ok", "green") if d["steps"]["passed"]
                       else styled("FAILED", "bold red"), sep="")  # a str and a Text: two renderables, no '+'
-        for key, label in (("greedy", "ONNX Runtime"), ("engine", "engine")):
-            g = d.get(key)
+        greedy = [("ONNX Runtime", d.get("greedy"))]
+        greedy += [(f"engine, {path}", r["greedy"]) for path, r in (d.get("engine") or {}).get("paths", {}).items()]
+        for label, g in greedy:
             if g and "agree" in g:
                 where = "all tokens agree" if g["agree"] else (
                     f"first divergence at token {g['first_divergence']} (logits there: {g['at_divergence']})")
                 console.print(f"greedy {g['steps']} tokens with the KV cache, {label}: {where}")
             elif g:
                 console.print(f"greedy with the KV cache, {label}: {g['skipped']}")
-            for path, r in (g or {}).get("paths", {}).items():  # the engine's paths: CUDA graph, uncaptured
-                bad = [k for k, b in r["boundary"].items() if not b["passed"]] + (["greedy"] if not r["greedy"]["passed"] else [])
-                if r.get("captured") is False:
-                    bad.append(f"CUDA graph capture failed: {r['capture_error']}")
-                console.print(f"engine, {path}: greedy + full-context boundary (past n-2, n-1; prefill of n): ",
-                              styled("ok", "green") if r["passed"] else styled("FAILED " + "; ".join(bad), "bold red"), sep="")
+        for path, r in (d.get("engine") or {}).get("paths", {}).items():  # the engine's paths: CUDA graph, uncaptured
+            bad = [k for k, b in r["boundary"].items() if not b["passed"]] + (["greedy"] if not r["greedy"]["passed"] else [])
+            if r.get("captured") is False:
+                bad.append(f"CUDA graph capture failed: {r['capture_error']}")
+            console.print(f"engine, {path}: greedy + full-context boundary (past n-2, n-1; prefill of n): ",
+                          styled("ok", "green") if r["passed"] else styled("FAILED " + "; ".join(bad), "bold red"), sep="")
     p = report.perplexity
     if p and p.get("computed"):
         (ref_name, ref), = p["reference"].items()

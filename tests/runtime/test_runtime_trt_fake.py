@@ -412,6 +412,9 @@ def _gate(folder, graph, engine_graph, lively_model, precision, **plan):
     artifacts = {"onnx": "model.onnx", "onnx_plugin": "model.plugin.onnx", "engine": "model.plan",
                  "decoder_onnx": graph.name, "decoder_engine": "decoder.plan", "decoder_engine_info": "decoder.plan.json"}
     report = verify_folder.verify_folder(folder, lively_model, precision, artifacts, {}, None, 16)
+    from andrea_export.verify.compare import print_summary
+
+    print_summary(report)  # the summary reads the engine's paths as verify_folder writes them
     return verify_folder.build_status(report), report.decoder["engine"]
 
 
@@ -421,11 +424,14 @@ def gate_only(monkeypatch):
     fake device as on a GPU host."""
     from andrea_export.verify import compare as verify_module
     from andrea_export.verify import folder as verify_folder
+    from andrea_export.verify.thresholds import TOLERANCES
 
     monkeypatch.setattr(verify_module, "verify", lambda model, runners, *, precision, skipped, **_: verify_module.VerifyReport(
-        True, precision, {}, {}, [], [], skipped))
+        True, precision, TOLERANCES[precision], verify_module.lm_thresholds(precision), [], [], skipped))
     monkeypatch.setattr(verify_folder, "engine_runner", lambda plan, info: (object(), ""))
-    monkeypatch.setattr(verify_folder, "decoder_checks", lambda *a, **k: {"passed": True})
+    monkeypatch.setattr(verify_folder, "decoder_checks", lambda folder, model, precision, artifacts, *a, **k: {
+        "artifact": artifacts["decoder_onnx"], "passed": True,  # decoder_checks' shape, as the summary reads it
+        "steps": {"passed": True, "steps": 0, "per_step": [{"step": 0, "max_abs_logits": 0.0, "passed": True}]}})
     monkeypatch.setattr(verify_folder, "engine_blocker", lambda plan, info: None)
 
 

@@ -39,7 +39,7 @@ def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = N
             if "decoder_onnx" in manifest["artifacts"]:
                 models.append(write_triton_decoder(build_dir, repo_dir, name=f"{name}-decoder" if name else None,
                                                    manifest=manifest, **common))
-        if generate_only or (generate is not False and has_generate) or generate:
+        if generate_only or generate or (generate is None and has_generate):
             models.append(write_generate_model(build_dir, repo_dir, name=f"{name}-generate" if name else None,
                                                manifest=manifest, overwrite=overwrite, allow_failed=allow_failed,
                                                hardlink=hardlink))
