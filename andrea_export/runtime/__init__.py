@@ -5,8 +5,9 @@
     new_ids = sess.generate([1, 2, 3], max_new_tokens=32, strategy="top-p", top_p=0.9, seed=0)
     batch = sess.generate([[1, 2, 3], [4, 5]], max_new_tokens=32, seed=0)    # one list of new ids per prompt
 
-Backends: `onnxruntime` (any machine; CUDA provider when present) and `tensorrt` (GPU hosts, an engine
-built from the same graph). `auto` takes TensorRT when the folder has an engine and TensorRT imports,
+Backends: `onnxruntime` (any machine; CUDA provider when present), `tensorrt` (GPU hosts, an engine
+built from the same graph) and `openvino` (CPUs; the same fp32 graph computed in bf16 where the CPU has
+bf16 instructions: see openvino.py). `auto` takes TensorRT when the folder has an engine and TensorRT imports,
 else ONNX Runtime. The model config and the cache layout come from the ONNX metadata, so a folder needs
 nothing but the graph (and the engine, for TensorRT, which takes the cache's element type from the engine:
 a `.plan` given alone may lie beside the fp32 `decoder.onnx` of an fp16 or bf16 build).
@@ -27,7 +28,7 @@ from ..names import DECODER_FILE, TOKENIZER_FILE
 from .base import Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
-BACKENDS = ("auto", "onnxruntime", "tensorrt")
+BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
 ENGINE_FILE = "decoder.plan"  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
@@ -117,14 +118,16 @@ def load(
     providers: list[str] | None = None,
     intra_op_threads: int | None = None,
     cuda_graph: bool = True,
+    inference_precision: str = "default",
 ) -> Session:
     """A Session for the decoder in `path` (a build folder with `decoder.onnx`, or the .onnx file itself).
 
     Args:
-        backend: "auto", "onnxruntime" or "tensorrt".
+        backend: "auto", "onnxruntime", "tensorrt" or "openvino" (never chosen by "auto").
         providers: ONNX Runtime execution providers (default: CUDA if available, then CPU).
-        intra_op_threads: ONNX Runtime threads (default: ONNX Runtime's choice).
+        intra_op_threads: ONNX Runtime's (or OpenVINO's) threads (default: the runtime's choice).
         cuda_graph: TensorRT only: replay the decode step as a CUDA graph (see runtime/trt.py).
+        inference_precision: OpenVINO only: "default" (bf16 where the CPU has it), "bf16" or "f32".
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -132,6 +135,8 @@ def load(
     manifest = _build_manifest(path)
     if backend == "auto":
         backend = "tensorrt" if _has_engine(path, manifest) and installed("tensorrt") else "onnxruntime"
+    if backend != "openvino" and inference_precision != "default":
+        raise InputError(f"inference_precision is an OpenVINO setting; backend {backend!r} computes in the graph's precision")
     if backend == "onnxruntime" and not _cpu_only(providers):
         backend_graph = "onnxruntime-cuda"  # ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels
     else:
@@ -148,6 +153,10 @@ def load(
         from .trt import TrtSession
 
         sess = TrtSession(engine, cfg, layout, cuda_graph=cuda_graph)
+    elif backend == "openvino":
+        from .openvino import OpenVinoSession
+
+        sess = OpenVinoSession(onnx_path, cfg, layout, inference_precision=inference_precision, threads=intra_op_threads)
     else:
         from .ort import OrtSession
 

@@ -1,0 +1,86 @@
+"""The OpenVINO backend (runtime/openvino.py) on the lively tiny model's decoder.onnx: the same Session
+contract as ONNX Runtime, in f32 (tokens equal ONNX Runtime's) and in bf16 where the CPU has it (logits
+near PyTorch's; bf16 rounding measured, not assumed)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("openvino", reason="OpenVINO (the 'openvino' extra) is not installed")
+
+from andrea_export import runtime  # noqa: E402
+from andrea_export.errors import AndreaExportError, InputError  # noqa: E402
+from andrea_export.runtime.openvino import cpu_has_bf16  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ov_f32(build_dir):
+    return runtime.load(build_dir, backend="openvino", inference_precision="f32", intra_op_threads=2)
+
+
+@pytest.fixture(scope="module")
+def prompt(lively_prompt):
+    return list(lively_prompt)
+
+
+def test_f32_forward_matches_pytorch_and_reports_its_precision(ov_f32, lively_model, prompt):
+    assert ov_f32.backend == "openvino" and ov_f32.inference_precision == "f32"
+    logits = ov_f32.forward(prompt)
+    with torch.inference_mode():
+        ref = lively_model(torch.tensor([prompt]))[0].numpy()
+    assert logits.shape == ref.shape and logits.dtype == np.float32
+    np.testing.assert_allclose(logits, ref, atol=2e-4, rtol=1e-4)
+
+
+def test_f32_tokens_equal_onnx_runtime_greedy_and_seeded(ov_f32, session, prompt):
+    assert ov_f32.generate(prompt, 48) == session.generate(prompt, 48)
+    kw = dict(strategy="top-p", top_p=0.9, temperature=1.2, seed=7)
+    assert ov_f32.generate(prompt, 32, **kw) == session.generate(prompt, 32, **kw)
+
+
+def test_a_left_padded_batch_gives_each_prompt_its_own_tokens(ov_f32, prompt):
+    prompts = [prompt, prompt[:2], prompt + [5, 9, 11]]
+    batch = ov_f32.generate(prompts, [12, 20, 6])
+    assert batch == [ov_f32.generate(p, n) for p, n in zip(prompts, [12, 20, 6])]
+
+
+def test_stepwise_decode_through_the_state_equals_one_prefill(ov_f32, prompt):
+    ids = (prompt * 8)[:24]
+    np.testing.assert_allclose(ov_f32.forward_stepwise(ids, 3), ov_f32.forward(ids), atol=1e-4)
+
+
+def test_calls_from_threads_keep_their_own_cache(ov_f32, prompt):
+    from concurrent.futures import ThreadPoolExecutor
+
+    want = {n: ov_f32.generate(prompt[:n], 16) for n in (1, 2, len(prompt))}
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda n: (n, ov_f32.generate(prompt[:n], 16)), [1, 2, len(prompt)] * 3))
+    assert all(tokens == want[n] for n, tokens in got)
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 instructions (OpenVINO reports no BF16)")
+def test_bf16_default_on_a_bf16_cpu_is_close_but_not_bit_equal(build_dir, lively_model, prompt):
+    sess = runtime.load(build_dir, backend="openvino", intra_op_threads=2)
+    assert sess.inference_precision == "bf16"
+    ids = (prompt * 16)[:48]
+    with torch.inference_mode():
+        ref = torch.log_softmax(lively_model(torch.tensor([ids]))[0], -1).numpy()
+    got = torch.log_softmax(torch.from_numpy(sess.forward(ids)), -1).numpy()
+    err = np.abs(got - ref).max()
+    assert 1e-4 < err < 0.5, f"bf16 max |log p error| {err}: 0 would mean it did not compute in bf16"
+    assert (got.argmax(-1) == ref.argmax(-1)).mean() >= 0.9
+
+
+def test_refusals(build_dir, tmp_path):
+    with pytest.raises(InputError, match="inference_precision"):
+        runtime.load(build_dir, backend="openvino", inference_precision="fp8")
+    with pytest.raises(InputError, match="OpenVINO setting"):
+        runtime.load(build_dir, backend="onnxruntime", inference_precision="f32")
+    bad = tmp_path / "decoder.onnx"
+    bad.write_bytes(b"not an onnx file")
+    with pytest.raises(AndreaExportError, match="decoder.onnx"):
+        runtime.load(bad, backend="openvino")
+    closed = runtime.load(build_dir, backend="openvino", inference_precision="f32")
+    closed.close()
+    with pytest.raises(InputError, match="closed"):
+        closed.forward([1, 2])
