@@ -3,22 +3,12 @@
 from __future__ import annotations
 
 from ..progress import console, styled
+from .report import pair_ratio
 from .work import DECODE_GRID, DISTURBED_BELOW
 
 
 def _find(doc, **key):
     return next((r for r in doc["rows"] if all(r.get(k) == v for k, v in key.items())), None)
-
-
-def _speedup(doc: dict, baseline: str, backend: str, **key) -> dict | None:
-    """The ratio row of `backend` over `baseline` for a case, whichever of the two ran first."""
-    for x in doc.get("ratios", []):
-        if all(x.get(k) == v for k, v in key.items()):
-            if (x["baseline"], x["backend"]) == (baseline, backend):
-                return x
-            if (x["baseline"], x["backend"]) == (backend, baseline):
-                return dict(x, baseline=baseline, backend=backend, speedup=1.0 / x["speedup"])
-    return None
 
 
 def goals(doc: dict) -> list[dict]:
@@ -27,7 +17,7 @@ def goals(doc: dict) -> list[dict]:
     out = _floor_goals(doc)
     t = _find(doc, scenario="prefill", backend="torch", batch=1, seq=128)
     o = _find(doc, scenario="prefill", backend="ort-cpu", batch=1, seq=128)
-    q = _speedup(doc, "torch", "ort-cpu", scenario="prefill", batch=1, seq=128)
+    q = pair_ratio(doc, "torch", "ort-cpu", scenario="prefill", batch=1, seq=128)
     mm = doc["machine"]["matmul_GFLOPs"]
     out.append({
         "name": "prefill 128 tokens (batch 1): ONNX Runtime CPU vs PyTorch eager",
@@ -73,7 +63,7 @@ def _floor_goals(doc: dict) -> list[dict]:
     })  # fmt: skip
     paired, disturbed = [], []  # the floor read in the same rounds: drift cancels
     for r in rows:
-        x = _speedup(doc, "mem-read", "ort-cpu", scenario="decode", batch=r["batch"], past=r["past"])
+        x = pair_ratio(doc, "mem-read", "ort-cpu", scenario="decode", batch=r["batch"], past=r["past"])
         m = _find(doc, scenario="decode", backend="mem-read", batch=r["batch"], past=r["past"])
         if x and m and (m.get("x_floor") or 1.0) < DISTURBED_BELOW:  # the read beat the machine: no floor
             disturbed.append(_case(r))
@@ -118,7 +108,7 @@ def _quantized_goals(doc: dict) -> list[dict]:
 
 def _vs_fp32(doc, precision, target, scenario, key, what) -> dict:
     name = f"ort-cpu-{precision}"
-    x = _speedup(doc, "ort-cpu", name, scenario=scenario, **key)
+    x = pair_ratio(doc, "ort-cpu", name, scenario=scenario, **key)
     q, f = _find(doc, scenario=scenario, backend=name, **key), _find(doc, scenario=scenario, backend="ort-cpu", **key)
     return {
         "name": f"{what}: {precision} (ort-cpu-{precision}) vs our fp32 (ort-cpu)",

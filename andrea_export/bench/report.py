@@ -19,14 +19,17 @@ The document (schema_version 1):
     ROW   = {"scenario": "prefill" | "decode" | "generate", "backend", "batch", "seq", "past", "new_tokens",
              "tokens", "n", "min_ms", "median_ms", "mean_ms", "p90_ms", "p99_ms", "cv", "precision",
              "flops", "bytes", "floor_ms", "bound", "x_floor", "gflops", "gbps", "tokens_per_s", "x_ours", "timer"}
-            precision: "fp32", "int8" or "int4" (the weights); non-fp32 rows have null bytes, floor_ms, bound,
+            precision: "fp32", "int8" or "int4" (the weights), "bf16" (fp32 weights computed in bf16: OpenVINO's
+            default on a bf16 CPU); non-fp32 rows have null bytes, floor_ms, bound,
             x_floor and gbps (the floor is fp32's: their speed is reported against ours instead)
             x_ours = median over rounds of t_backend / t_ours (OURS ran in the same rounds; else null)
     RATIO = {"scenario", "batch", "seq", "past", "new_tokens", "baseline", "backend", "speedup"}
             speedup = median over iterations of t_baseline / t_backend (> 1: backend is faster)
     GOAL  = {"name", "target", "value", "met" (bool or null when not measured), "detail"}
-    PEER  = {"scenario", "batch", "seq", "past", "new_tokens", "peer", "peer_ms", "ours_ms", "time_ratio"}
-            time_ratio = the peer row's x_ours (> 1: ours is faster); peers are what users run instead
+    PEER  = {"scenario", "batch", "seq", "past", "new_tokens", "peer", "precision", "ours", "peer_ms", "ours_ms",
+             "time_ratio"}
+            time_ratio = median over rounds of t_peer / t_ours, `ours` our backend at the peer's precision
+            (> 1: ours is faster); peers are what users run instead
     GAIN  = {"scenario", "batch", "seq", "past", "new_tokens", "concat_ms", "inplace_ms", "time_ratio"}
             what the in-place cache gains: time_ratio = the CONCAT row's x_ours (ours on the standard,
             concatenating decoder over ours on the in-place one, paired by round; > 1: in-place is faster)
@@ -55,7 +58,10 @@ CSV_FIELDS = (
 )  # fmt: skip
 OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it
 CONCAT = "ort-cpu-concat"  # ours on the standard decoder (OURS runs the in-place one)
-PEERS = ("optimum", "genai", "optimum-hf-folder")
+PEERS = ("optimum", "genai", "openvino", "openvino-f32", "openvino-int8", "openvino-int4", "ctranslate2",
+         "ctranslate2-int8", "optimum-hf-folder")
+# ours at each precision a peer computes in (OpenVINO's default on a bf16 CPU is bf16)
+OURS_BY_PRECISION = {"fp32": OURS, "int8": "ort-cpu-int8", "int4": "ort-cpu-int4", "bf16": "ours-openvino"}
 REQUIRED_TOP = ("schema_version", "kind", "config", "settings", "environment", "machine", "backends", "rows")
 
 
@@ -106,17 +112,46 @@ def validate(doc: dict, source: str = "result") -> dict:
 # ---------------------------------------------------------------- the peers
 
 
+def pair_ratio(doc: dict, baseline: str, backend: str, **key) -> dict | None:
+    """The ratio row of `backend` over `baseline` for a case (speedup = t_baseline / t_backend, paired by
+    round), whichever of the two ran first."""
+    for x in doc.get("ratios", []):
+        if all(x.get(k) == v for k, v in key.items()):
+            if (x["baseline"], x["backend"]) == (baseline, backend):
+                return x
+            if (x["baseline"], x["backend"]) == (backend, baseline):
+                return dict(x, baseline=baseline, backend=backend, speedup=1.0 / x["speedup"])
+    return None
+
+
+def ours_at(doc: dict, precision: str) -> str:
+    """Our backend a peer of `precision` is held against: ours at the same precision where it ran (bf16:
+    ours on OpenVINO, the same fp32 graph computed in bf16), else OURS (fp32)."""
+    name = OURS_BY_PRECISION.get(precision, OURS)
+    return name if doc["backends"].get(name, {}).get("status") == "ok" else OURS
+
+
 def peers(doc: dict) -> dict:
-    """Each peer's time as a multiple of ours, per case (from the rows' x_ours), and where a peer did not
-    run: the whole backend (not installed, failed) or one scenario (no such call), with the reason."""
+    """Each peer's time as a multiple of ours at its precision (`ours_at`), per case (paired by round), and
+    where a peer did not run: the whole backend (not installed, failed) or one scenario (no such call), with
+    the reason."""
     case = ("scenario", "batch", "seq", "past", "new_tokens")
-    ours = {tuple(r[k] for k in case): r for r in doc["rows"] if r["backend"] == OURS}
+    rows = {(r["backend"], *(r[k] for k in case)): r for r in doc["rows"]}
     ratios = []
     for r in doc["rows"]:
-        o = ours.get(tuple(r[k] for k in case))
-        if r["backend"] in PEERS and o is not None and r.get("x_ours") is not None:
-            ratios.append({**{k: r[k] for k in case}, "peer": r["backend"], "peer_ms": r["median_ms"],
-                           "ours_ms": o["median_ms"], "time_ratio": r["x_ours"]})  # fmt: skip
+        if r["backend"] not in PEERS:
+            continue
+        ours = ours_at(doc, r.get("precision", "fp32"))
+        o = rows.get((ours, *(r[k] for k in case)))
+        if ours == OURS:  # the row's own x_ours: median over rounds of t_peer / t_ours
+            x = r.get("x_ours")
+        else:
+            pair = pair_ratio(doc, r["backend"], ours, **{k: r[k] for k in case})  # t_peer / t_ours
+            x = pair["speedup"] if pair else None
+        if o is not None and x is not None:
+            ratios.append({**{k: r[k] for k in case}, "peer": r["backend"], "precision": r.get("precision", "fp32"),
+                           "ours": ours, "peer_ms": r["median_ms"], "ours_ms": o["median_ms"],
+                           "time_ratio": x})  # fmt: skip
     skipped = []
     for name in PEERS:
         b = doc["backends"].get(name)
@@ -222,12 +257,14 @@ def to_markdown(doc: dict) -> str:
         out.append("")
     pe = doc.get("peers") or peers(doc)
     if pe["ratios"] or pe["skipped"]:
-        out += [f"## Peers: time / ours (`{pe['ours']}`), paired by round; > 1 means ours is faster", ""]
+        out += ["## Peers: time / ours at the same precision, paired by round; > 1 means ours is faster", ""]
         if pe["ratios"]:
-            out += ["| scenario | shape | peer | peer ms | ours ms | peer / ours |", "|---|---|---|---:|---:|---:|"]
+            out += ["| scenario | shape | peer | precision | ours | peer ms | ours ms | peer / ours |",
+                    "|---|---|---|---|---|---:|---:|---:|"]  # fmt: skip
             for q in pe["ratios"]:
-                out.append(f"| {q['scenario']} | {_shape(q)} | {q['peer']} | {_fmt(q['peer_ms'])} | "
-                           f"{_fmt(q['ours_ms'])} | {_fmt(q['time_ratio'])} |")  # fmt: skip
+                out.append(f"| {q['scenario']} | {_shape(q)} | {q['peer']} | {q.get('precision', 'fp32')} | "
+                           f"{q.get('ours', pe['ours'])} | {_fmt(q['peer_ms'])} | {_fmt(q['ours_ms'])} | "
+                           f"{_fmt(q['time_ratio'])} |")  # fmt: skip
             out.append("")
         for s in pe["skipped"]:
             out.append(f"- `{s['peer']}` not run ({s['scenario']}): {s['reason']}")

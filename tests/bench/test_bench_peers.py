@@ -111,7 +111,7 @@ def test_report_carries_each_peer_as_a_ratio_to_ours(run):
     table = list(csv.DictReader(io.StringIO((out / "bench.csv").read_text())))
     assert all(float(r["x_ours"]) > 0 for r in table)
     md = (out / "bench.md").read_text()
-    assert "## Peers: time / ours (`ort-cpu`)" in md and "`genai` not run (decode)" in md
+    assert "## Peers: time / ours at the same precision" in md and "`genai` not run (decode)" in md
     for q in pe["ratios"]:
         assert f"| {q['scenario']} | {report._shape(q)} | {q['peer']} |" in md
     assert (out / "peers.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -137,8 +137,10 @@ def test_peers_of_a_hand_made_report():
     case = {"batch": 2, "seq": 16, "past": 0, "new_tokens": 0}
     assert report.peers(doc) == {
         "ours": "ort-cpu",
-        "ratios": [{"scenario": "prefill", **case, "peer": "optimum", "peer_ms": 6.0, "ours_ms": 4.0, "time_ratio": 1.5},
-                   {"scenario": "prefill", **case, "peer": "genai", "peer_ms": 3.0, "ours_ms": 4.0, "time_ratio": 0.75}],
+        "ratios": [{"scenario": "prefill", **case, "peer": "optimum", "precision": "fp32", "ours": "ort-cpu",
+                    "peer_ms": 6.0, "ours_ms": 4.0, "time_ratio": 1.5},
+                   {"scenario": "prefill", **case, "peer": "genai", "precision": "fp32", "ours": "ort-cpu",
+                    "peer_ms": 3.0, "ours_ms": 4.0, "time_ratio": 0.75}],
         "skipped": [{"peer": "genai", "scenario": "decode", "reason": "no call for one step"},
                     {"peer": "optimum-hf-folder", "scenario": "all", "reason": "unavailable: optimum is not installed"}],
     }  # fmt: skip

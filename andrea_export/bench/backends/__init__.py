@@ -7,15 +7,18 @@ from collections.abc import Iterable
 
 from ...errors import AndreaExportError
 from .base import Backend, Context, Unavailable, default_cache_dir, weights_fingerprint
+from .ctranslate2 import Ct2Backend
 from .genai import GenaiBackend
 from .mem import MemReadBackend
+from .openvino import OpenVinoBackend, OursOpenVinoBackend
 from .optimum import OptimumBackend
 from .ort import OrtBackend, session_options
 from .pytorch import TorchBackend, torch_greedy
 from .tensorrt import TrtBackend
 
-BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ort-cuda", "trt-native",
-            "trt-plugin", "optimum", "genai", "optimum-hf-folder")
+BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ours-openvino", "ort-cuda",
+            "trt-native", "trt-plugin", "optimum", "genai", "openvino", "openvino-f32", "openvino-int8", "openvino-int4",
+            "ctranslate2", "ctranslate2-int8", "optimum-hf-folder")
 DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
 
 
@@ -40,6 +43,12 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
             out.append(OptimumBackend(spin=ort_spin, graph="ours"))
         elif n == "genai":
             out.append(GenaiBackend())
+        elif n == "ours-openvino":  # our graph and loop on OpenVINO (bf16 where the CPU has it)
+            out.append(OursOpenVinoBackend())
+        elif n.startswith("openvino"):
+            out.append(OpenVinoBackend(n.partition("-")[2] or "default"))
+        elif n.startswith("ctranslate2"):
+            out.append(Ct2Backend(n.partition("-")[2] or "float32"))
         elif n in ("trt-native", "trt-plugin"):
             out.append(TrtBackend(n.split("-", 1)[1], (trt_engines or {}).get(n)))
         else:
@@ -47,6 +56,6 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
     return out
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "GenaiBackend", "MemReadBackend",
-           "OptimumBackend", "OrtBackend", "TorchBackend", "TrtBackend", "Unavailable", "default_cache_dir",
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "Ct2Backend", "GenaiBackend", "MemReadBackend",
+           "OpenVinoBackend", "OptimumBackend", "OursOpenVinoBackend", "OrtBackend", "TorchBackend", "TrtBackend", "Unavailable", "default_cache_dir",
            "make_backends", "session_options", "torch_greedy", "weights_fingerprint"]
