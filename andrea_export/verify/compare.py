@@ -123,6 +123,7 @@ class VerifyReport:
     skipped: list  # artifacts that could not run here, with the reason
     decoder: dict | None = None  # the KV-cache decoder: step-by-step comparison and greedy agreement
     perplexity: dict | None = None  # on real text (eval_text), per artifact beside PyTorch's; or why not computed
+    runtimes: dict | None = None  # other runtimes on the build's graphs: {"openvino-bf16": openvino.openvino_checks}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -355,6 +356,15 @@ def print_summary(report: VerifyReport) -> None:
             for c in report.comparisons if c.get("perplexity")) + f" (bound {p['max_rel_diff']:.0e} relative)")
     elif p:
         console.print(f"perplexity: {p['reason']}")
+    for name, r in (report.runtimes or {}).items():  # another runtime on the build's graphs (OpenVINO bf16)
+        c, g = r["comparison"], r.get("greedy")
+        worst_kl, least_top1 = max(s["max_kl"] for s in c["shapes"]), min(s["top1_agreement"] for s in c["shapes"])
+        ppl = f", perplexity {c['perplexity']['rel_diff']:+.2e} relative" if c.get("perplexity") else ""
+        where = "" if not g else ("; greedy: all tokens agree" if g["agree"] else
+                                  f"; greedy: first divergence at token {g['first_divergence']}")
+        console.print(f"{name} ({r['graph']}, {r['thresholds']} thresholds): max KL {worst_kl:.1e}, top-1 "
+                      f"{least_top1:.4f}{ppl}{where}: ", styled("ok", "green") if r["passed"] else
+                      styled("FAILED", "bold red"), sep="")  # fmt: skip
     for s in report.skipped:
         console.print(styled("not run here", "yellow"), f"{s['artifact']}: {s['reason']}")
     verdict = styled("PASSED", "bold green") if report.passed else styled("FAILED", "bold red")

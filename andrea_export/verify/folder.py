@@ -110,6 +110,14 @@ def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_i
                 report.decoder["engine"] = engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
                 report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine"]["passed"]
         report.passed = report.passed and report.decoder["passed"]
+    if precision == "fp32":  # where the CPU has bf16, OpenVINO runs these fp32 graphs in bf16: checked too
+        from .openvino import NAME, openvino_blocker, openvino_checks
+
+        if reason := openvino_blocker():
+            report.skipped.append({"artifact": NAME, "reason": reason})
+        else:
+            report.runtimes = {NAME: openvino_checks(folder, model, artifacts, shapes, greedy_steps, (wins, described))}
+            report.passed = report.passed and report.runtimes[NAME]["passed"]
     return report
 
 
@@ -122,5 +130,11 @@ def verification_record(report) -> dict:
     return {"passed": report.passed, "report": "verify.json",
             "engine_verified": not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped),
             "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons},
-            "perplexity": ({**p["reference"], **p["artifacts"]} if (p := report.perplexity) and p.get("computed")
-                           else None)}
+            "perplexity": ({**p["reference"], **p["artifacts"], **_runtime_perplexities(report)}
+                           if (p := report.perplexity) and p.get("computed") else None),
+            "runtimes": {name: r["passed"] for name, r in (report.runtimes or {}).items()}}
+
+
+def _runtime_perplexities(report) -> dict:
+    return {name: c["perplexity"]["perplexity"] for name, r in (report.runtimes or {}).items()
+            if (c := r["comparison"]).get("perplexity")}  # fmt: skip

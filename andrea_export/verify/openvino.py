@@ -1,0 +1,82 @@
+"""The build's fp32 graphs on OpenVINO in bf16 (what `runtime.load(build, backend="openvino")` computes on
+a CPU with bf16 instructions), checked against PyTorch as every artifact is: the standard graph through
+Polygraphy at bf16's thresholds (logits, top-1, KL, and the perplexity on the evaluation text when the build
+has one), and greedy decoding through the runtime's OpenVINO session on the KV-cache decoder (reported:
+bf16 may part from fp32 at a near-tie)."""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+from polygraphy.backend.base import BaseRunner
+from polygraphy.common import TensorMetadata
+
+from ..graphs.export import INPUT_NAME, OUTPUT_NAME
+
+NAME = "openvino-bf16"
+
+
+class OpenVinoRunner(BaseRunner):
+    """A Polygraphy runner for an ONNX graph on OpenVINO's CPU plugin at `inference_precision`."""
+
+    def __init__(self, onnx_path: str | Path, inference_precision: str = "bf16", name: str = NAME):
+        super().__init__(name=name)
+        self.onnx_path, self.inference_precision = str(onnx_path), inference_precision
+
+    def activate_impl(self):
+        import openvino as ov
+
+        core = ov.Core()
+        self.compiled = core.compile_model(core.read_model(self.onnx_path), "CPU",
+                                           {"INFERENCE_PRECISION_HINT": self.inference_precision, "NUM_STREAMS": "1"})  # fmt: skip
+        self.request = self.compiled.create_infer_request()
+
+    def deactivate_impl(self):
+        del self.request, self.compiled
+
+    def get_input_metadata_impl(self):
+        return TensorMetadata().add(INPUT_NAME, np.int64, (None, None))
+
+    def infer_impl(self, feed_dict):
+        t0 = time.perf_counter()
+        out = self.request.infer({INPUT_NAME: np.asarray(feed_dict[INPUT_NAME], dtype=np.int64)})
+        self.inference_time = time.perf_counter() - t0
+        return OrderedDict([(OUTPUT_NAME, np.array(out[self.compiled.output(0)], dtype=np.float32))])
+
+
+def openvino_blocker() -> str | None:
+    """Why the bf16 check cannot run here (None: it can)."""
+    from ..errors import MissingDependency
+    from ..runtime.openvino import cpu_has_bf16
+
+    try:
+        return None if cpu_has_bf16() else "this CPU has no bf16 instructions: OpenVINO computes in f32 here"
+    except MissingDependency:
+        return "OpenVINO is not installed (pip install 'andrea-export[openvino]')"
+
+
+def openvino_checks(folder: Path, model, artifacts: dict, shapes=None, greedy_steps: int = 32,
+                    evaluation: tuple = (None, None)) -> dict:  # fmt: skip
+    """The standard graph and the decoder of an fp32 build on OpenVINO in bf16 (see the module docstring)."""
+    from ..progress import step
+    from ..runtime import load
+    from .agreement import greedy_agreement
+    from .compare import verify
+
+    wins, described = evaluation
+    with step("Verifying the graphs on OpenVINO in bf16 (runtime.load(..., backend='openvino'))"):
+        report = verify(model, {NAME: OpenVinoRunner(folder / artifacts["onnx"])}, precision="bf16", shapes=shapes,
+                        greedy_steps=0, eval_windows=wins, eval_text=described, quiet=True)  # fmt: skip
+        result = {"inference_precision": "bf16", "graph": artifacts["onnx"], "thresholds": "bf16",
+                  "comparison": report.comparisons[0], "passed": report.passed}  # fmt: skip
+        if "decoder_onnx" in artifacts and greedy_steps:
+            rng = np.random.default_rng(0)
+            prompt = rng.integers(0, model.cfg.vocab_size, 8).tolist()
+            with load(folder / artifacts["decoder_onnx"], backend="openvino", inference_precision="bf16") as sess:
+                greedy = greedy_agreement(model, sess, prompt, n_tokens=greedy_steps)
+            greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
+            result["greedy"] = greedy  # reported, not gated: bf16 may part from fp32 at a near-tie
+    return result
