@@ -30,6 +30,7 @@ def goals(doc: dict) -> list[dict]:
     })  # fmt: skip
     out += _quantized_goals(doc)
     out += _peer_goals(doc)
+    out += _cpu_peer_goals(doc)
     return out
 
 
@@ -38,8 +39,8 @@ def _case(r: dict) -> str:
 
 
 def _floor_goals(doc: dict) -> list[dict]:
-    """fp32 decode within 1.3x of its memory floor at every decode case of the grid (the worst case's
-    x_floor), the same with the floor read in the same rounds (mem-read) when it ran, and prefill 1x128
+    """fp32 decode within 1.5x of its floor, max(memory time, compute time), at every decode case of the grid
+    (the worst case's x_floor; at batch 32 compute is the larger), the same with the floor read in the same rounds (mem-read) when it ran, and prefill 1x128
     within 1.2x of the measured matmul floor (flops / matmul rate)."""
     out = []
     grid = set(DECODE_GRID)
@@ -54,9 +55,9 @@ def _floor_goals(doc: dict) -> list[dict]:
                   f"(the step: {worst['median_ms'] / (t_m + t_c):.2f}x that)")
     out.append({
         "name": "ORT CPU fp32 decode step at every decode case of the grid (batch 1, 8, 32; past 127 to 1023)",
-        "target": "<= 1.3 x memory-bandwidth floor (worst case)",
+        "target": "<= 1.5 x floor, max(memory time, compute time) (worst case)",
         "value": worst["x_floor"] if worst else None,
-        "met": (worst["x_floor"] <= 1.3) if worst else None,
+        "met": (worst["x_floor"] <= 1.5) if worst else None,
         "detail": (f"worst: {_case(worst)}, {worst['median_ms']:.2f} ms vs floor {worst['floor_ms']:.2f} ms "
                    f"({worst['bound']}-bound, {worst['gbps']:.1f} GB/s of {doc['machine']['bandwidth_GBps']:.1f}); "
                    f"{len(rows)} of the grid's {len(grid)} cases ran{serial}") if worst else "not run",
@@ -103,6 +104,18 @@ def _quantized_goals(doc: dict) -> list[dict]:
            for precision, target in (("int8", 2.0), ("int4", 3.0))]  # fmt: skip
     out.append(_vs_fp32(doc, "int4", 2.5, "generate", {"batch": 1, "seq": 32, "new_tokens": 128},
                         "generate, batch 1, 32-token prompt, 128 new tokens (tokens/s)"))  # fmt: skip
+    out.append(_vs_fp32(doc, "int4", 3.0, "decode", {"batch": 8, "past": 128}, "decode step, batch 8, past 128"))
+    for precision, target in (("int4", 1.5), ("int8", 1.3)):  # their own memory floor (work.forward_bytes)
+        r = _find(doc, scenario="decode", backend=f"ort-cpu-{precision}", batch=1, past=127)
+        x = r.get("x_floor") if r else None
+        out.append({
+            "name": f"{precision} decode step, batch 1, past 127 (ort-cpu-{precision}) vs its own memory floor",
+            "target": f"<= {target:g} x floor",
+            "value": x, "met": (x <= target) if x is not None else None,
+            "detail": (f"{r['median_ms']:.2f} ms vs floor {r['floor_ms']:.2f} ms ({r['bytes'] / 1e6:.1f} MB: "
+                       f"{precision} weights and scales, float32 rest, the cache; {r['gbps']:.1f} GB/s of "
+                       f"{doc['machine']['bandwidth_GBps']:.1f})") if x is not None else "not run",
+        })  # fmt: skip
     return out
 
 
@@ -158,3 +171,42 @@ def print_summary(doc: dict) -> None:
         val = f"{g['value']:.2f}" if isinstance(g["value"], float) else "-"
         table.add_row(g["name"], g["target"], val, met, g["detail"])
     console.print(table)
+
+
+def _cpu_peer_goals(doc: dict) -> list[dict]:
+    """Against the CPU runtimes users pick (OpenVINO, CTranslate2; report.peers pairs each with ours at its
+    precision): our generate at least as fast as each at batch 1 and 8, and the fastest of our accurate
+    runs (ort-cpu fp32, ours-openvino: fp32 weights in bf16, verified by the build) at least as fast as
+    OpenVINO's default (value: the worst case's peer time / ours)."""
+    from .report import PEERS
+
+    cpu_peers = [p for p in PEERS if p.startswith(("openvino", "ctranslate2"))]
+    ratios = [q for q in (doc.get("peers") or {}).get("ratios", []) if q["scenario"] == "generate"
+              and q["peer"] in cpu_peers and q["batch"] in (1, 8)]  # fmt: skip
+    worst = min(ratios, key=lambda q: q["time_ratio"], default=None)
+    out = [{
+        "name": "generate, batch 1 and 8: not slower than OpenVINO or CTranslate2 at the same precision "
+                "(the worst case's peer time / ours)",
+        "target": ">= 1", "value": worst["time_ratio"] if worst else None,
+        "met": (worst["time_ratio"] >= 1.0) if worst else None,
+        "detail": (f"worst: {worst['peer']} ({worst['precision']}) vs {worst['ours']}, B={worst['batch']} "
+                   f"prompt={worst['seq']} new={worst['new_tokens']}, of {len(ratios)} cases") if worst else "not run",
+    }]  # fmt: skip
+    best = []
+    for r in doc["rows"]:
+        if r["scenario"] != "generate" or r["backend"] != "openvino" or r["batch"] not in (1, 8):
+            continue
+        key = {k: r[k] for k in ("scenario", "batch", "seq", "past", "new_tokens")}
+        ours = [(x["speedup"], name) for name in ("ort-cpu", "ours-openvino")
+                if (x := pair_ratio(doc, name, "openvino", **key))]  # t_ours / t_peer
+        if ours:
+            t_ratio, name = min(ours)  # the fastest of ours: the smallest t_ours / t_peer
+            best.append((1.0 / t_ratio, name, r))
+    w = min(best, key=lambda b: b[0], default=None)
+    out.append({
+        "name": "generate, batch 1 and 8: our fastest accurate run vs OpenVINO's default (bf16 on a bf16 CPU)",
+        "target": ">= 1", "value": w[0] if w else None, "met": (w[0] >= 1.0) if w else None,
+        "detail": (f"worst: B={w[2]['batch']} prompt={w[2]['seq']} new={w[2]['new_tokens']}, ours {w[1]}; "
+                   f"of {len(best)} cases") if w else "not run",
+    })  # fmt: skip
+    return out

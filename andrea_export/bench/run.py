@@ -26,6 +26,7 @@ from .work import (
     DISTURBED_BELOW,
     GENERATE_GRID,
     PREFILL_GRID,
+    QUANT_BYTES_PER_WEIGHT,
     QUICK_DECODE_GRID,
     QUICK_GENERATE_GRID,
     QUICK_PREFILL_GRID,
@@ -179,9 +180,9 @@ def run_benchmark(
                 progress.advance(overall)
                 continue
             progress.remove_task(task)
-            flops, nbytes = scenario_work(cfg, scenario, batch, seq, past, new_tokens)
             for name, s in samples.items():
                 x_ours = ratio_median(s, samples[OURS]) if OURS in samples else None  # t / t_ours, paired by round
+                flops, nbytes = scenario_work(cfg, scenario, batch, seq, past, new_tokens, precisions[name])
                 measured.append((scenario, name, batch, seq, past, new_tokens, Stats.from_ns(s), flops, nbytes,
                                  devices[name], "cuda-events" if timers[name] is cuda_event_timer else "perf_counter_ns",
                                  x_ours, precisions[name]))  # fmt: skip
@@ -242,20 +243,25 @@ def run_benchmark(
 
 def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbytes, machine, timer,
          x_ours: float | None = None, precision: str = "fp32") -> dict:  # fmt: skip
-    """One result row. The floor (and GB/s) is fp32's: bytes of fp32 weights, the fp32 matmul rate. A
-    quantized backend's row leaves floor, bound, x_floor and gbps out (null) rather than set its time
-    against a floor it does not share; its speed is reported against ours (fp32) instead."""
-    floor_s, bound = floor_seconds(flops, nbytes, machine)
+    """One result row. fp32's floor: max(bytes of fp32 weights / bandwidth, FLOPs / fp32 matmul rate). A
+    weight-only quantized row's decode and generate floor is its memory floor (its own bytes: int8 / int4
+    weights, scales, the float32 rest; work.forward_bytes), a lower bound, since its int8 products run at a
+    rate this run does not measure; its prefill, and bf16 rows (OpenVINO's default), have no floor (null
+    bytes, floor_ms, bound, x_floor, gbps): their speed is reported against ours instead."""
     med_s = st.median_ms / 1e3
-    fp32 = precision == "fp32"
+    floored = precision == "fp32" or (precision in QUANT_BYTES_PER_WEIGHT and scenario != "prefill")
+    if precision in QUANT_BYTES_PER_WEIGHT:
+        floor_s, bound = nbytes / (machine["bandwidth_GBps"] * 1e9), "memory"
+    else:
+        floor_s, bound = floor_seconds(flops, nbytes, machine)
     tokens = batch * (seq if scenario == "prefill" else new_tokens)
     return {
         "scenario": scenario, "backend": backend, "batch": batch, "seq": seq, "past": past, "new_tokens": new_tokens,
         "tokens": tokens, **{k: v for k, v in dataclasses.asdict(st).items()},
-        "precision": precision, "flops": flops, "bytes": nbytes if fp32 else None,
-        "floor_ms": floor_s * 1e3 if fp32 else None, "bound": bound if fp32 else None,
-        "x_floor": med_s / floor_s if (floor_s and fp32) else None,
-        "gflops": flops / med_s / 1e9 if med_s else None, "gbps": nbytes / med_s / 1e9 if (med_s and fp32) else None,
+        "precision": precision, "flops": flops, "bytes": nbytes if floored else None,
+        "floor_ms": floor_s * 1e3 if floored else None, "bound": bound if floored else None,
+        "x_floor": med_s / floor_s if (floor_s and floored) else None,
+        "gflops": flops / med_s / 1e9 if med_s else None, "gbps": nbytes / med_s / 1e9 if (med_s and floored) else None,
         "tokens_per_s": tokens / med_s if med_s else None, "x_ours": x_ours, "timer": timer,
     }  # fmt: skip
 

@@ -41,16 +41,30 @@ def forward_flops(cfg: ModelConfig, batch: int, new: int, past: int = 0) -> int:
     return 2 * matmul_params(cfg) * batch * new + attention_flops(cfg, batch, new, past)
 
 
+# Bytes per matmul weight of the weight-only graphs ORT runs (graphs/quantize.py QUANT: MatMulNBits, symmetric,
+# no zero points): the packed integers plus one float32 scale per block (int8: 64, int4: 32 along K)
+QUANT_BYTES_PER_WEIGHT = {"int8": 1 + 4 / 64, "int4": 0.5 + 4 / 32}
+
+
 def forward_bytes(cfg: ModelConfig, batch: int, new: int, past: int = 0, write_kv: bool = True,
-                  dtype_bytes: int = 4) -> int:  # fmt: skip
+                  dtype_bytes: int = 4, precision: str = "fp32") -> int:  # fmt: skip
     """Bytes a forward pass must move at least once: every weight it uses (all of them, except the
     position rows it does not look up), the past KV cache read, the new tokens' K/V written (if the graph
     returns a cache) and the logits written. That is exactly the in-place decoder's step (the filled cache
     read once, the new rows written where they belong); a concatenating graph also copies the past into
-    its present, which is avoidable, so not counted."""
+    its present, which is avoidable, so not counted.
+
+    `precision` "int8" / "int4": the weight-only graph, whose matmul weights (the output projection's
+    quantized copy of the embedding included) are read at QUANT_BYTES_PER_WEIGHT, while the float32
+    embedding table is only gathered from (one row per token) and biases and LayerNorms stay float32."""
     C, L = cfg.n_embd, cfg.n_layer
     used_positions = min(past + new, cfg.n_positions)
-    weights = (cfg.n_params - (cfg.n_positions - used_positions) * C) * dtype_bytes
+    if precision in QUANT_BYTES_PER_WEIGHT:
+        tables = (cfg.vocab_size + cfg.n_positions) * C
+        small = cfg.n_params - matmul_params(cfg) - tables + cfg.vocab_size * C  # + V C: tied, counted in both
+        weights = int(matmul_params(cfg) * QUANT_BYTES_PER_WEIGHT[precision]) + 4 * (small + (batch * new + used_positions) * C)
+    else:
+        weights = (cfg.n_params - (cfg.n_positions - used_positions) * C) * dtype_bytes
     kv_read = 2 * L * batch * past * C * dtype_bytes
     kv_write = 2 * L * batch * new * C * dtype_bytes if write_kv else 0
     logits = batch * new * cfg.vocab_size * 4
@@ -69,18 +83,19 @@ def floor_seconds(flops: float, nbytes: float, machine: dict) -> tuple[float, st
     return (t_c, "compute") if t_c >= t_m else (t_m, "memory")
 
 
-def scenario_work(cfg: ModelConfig, scenario: str, batch: int, seq: int, past: int, new_tokens: int) -> tuple[int, int]:
-    """(FLOPs, bytes) of one timed call of a scenario."""
+def scenario_work(cfg: ModelConfig, scenario: str, batch: int, seq: int, past: int, new_tokens: int,
+                  precision: str = "fp32") -> tuple[int, int]:  # fmt: skip
+    """(FLOPs, bytes) of one timed call of a scenario (bytes of `precision`'s weights: forward_bytes)."""
     if scenario == "prefill":
-        return forward_flops(cfg, batch, seq), forward_bytes(cfg, batch, seq, write_kv=False)
+        return forward_flops(cfg, batch, seq), forward_bytes(cfg, batch, seq, write_kv=False, precision=precision)
     if scenario == "decode":
-        return forward_flops(cfg, batch, 1, past), forward_bytes(cfg, batch, 1, past)
+        return forward_flops(cfg, batch, 1, past), forward_bytes(cfg, batch, 1, past, precision=precision)
     if scenario == "generate":  # the prompt, then new_tokens - 1 single-token steps
         flops = forward_flops(cfg, batch, seq)
-        nbytes = forward_bytes(cfg, batch, seq)
+        nbytes = forward_bytes(cfg, batch, seq, precision=precision)
         for p in range(seq, seq + new_tokens - 1):
             flops += forward_flops(cfg, batch, 1, p)
-            nbytes += forward_bytes(cfg, batch, 1, p)
+            nbytes += forward_bytes(cfg, batch, 1, p, precision=precision)
         return flops, nbytes
     raise ValueError(f"unknown scenario {scenario!r}")
 

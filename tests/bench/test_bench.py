@@ -16,7 +16,7 @@ import pytest
 
 from andrea_export import bench
 from andrea_export.bench import report as bench_report
-from andrea_export.bench.work import case_inputs
+from andrea_export.bench.work import case_inputs, forward_bytes, scenario_work
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 
 # ---------------------------------------------------------------- statistics
@@ -229,7 +229,7 @@ def test_run_rows_and_skips(run):
     assert len(m["measurements"]) == 2  # at the start and at the end; the best of each figure counts
     assert m["matmul_GFLOPs"] == max(x["matmul_GFLOPs"] for x in m["measurements"])
     assert m["matmul_GFLOPs"] == max(m["torch_matmul_GFLOPs"], m["ort_matmul_GFLOPs"])
-    assert len(doc["goals"]) == 10 and all(g["met"] is None for g in doc["goals"])  # not in this tiny grid, no peers
+    assert len(doc["goals"]) == 15 and all(g["met"] is None for g in doc["goals"])  # not in this tiny grid, no peers
     assert isinstance(doc["warnings"], list) and len(doc["loadavg_end"]) == 3
 
 
@@ -258,13 +258,28 @@ def test_quantized_backends_run_and_report_precision(run):
             assert r["precision"] == precision and r["median_ms"] > 0 and r["tokens_per_s"] > 0
             if precision == "fp32":
                 assert r["x_floor"] == pytest.approx(r["median_ms"] / r["floor_ms"]) and r["gbps"] > 0
-            else:  # the floor is fp32 bytes at the fp32 matmul rate: not theirs
+            elif r["scenario"] == "prefill":  # compute-bound, and the int8 product rate is not measured: no floor
                 assert r["x_floor"] is r["floor_ms"] is r["bound"] is r["gbps"] is r["bytes"] is None
+            else:  # decode, generate: the memory floor of their own bytes
+                assert r["bound"] == "memory" and r["bytes"] == scenario_work(
+                    ANDREA_TINY, r["scenario"], r["batch"], r["seq"], r["past"], r["new_tokens"], precision)[1]
+                assert r["floor_ms"] == pytest.approx(r["bytes"] / doc["machine"]["bandwidth_GBps"] / 1e6)
     (folder,) = [d for d in cache.iterdir() if (d / "decoder.inplace.onnx").is_file()]
+    cfg, C = ANDREA_TINY, ANDREA_TINY.n_embd
     for precision, bits in (("int8", 8), ("int4", 4)):
         for stem in ("decoder.inplace",):  # prefill too runs the in-place decoder
-            nodes = matmulnbits(onnx.load(str(folder / f"{stem}.{precision}.onnx"), load_external_data=False))
+            graph = onnx.load(str(folder / f"{stem}.{precision}.onnx"))
+            nodes = matmulnbits(graph)
             assert nodes and all(n["bits"] == bits for n in nodes), (stem, precision, nodes[:1])
+        # the byte model is the graph's own weights: all of them, but the float32 tables only gathered from
+        sizes = {i.name: onnx.numpy_helper.to_array(i).nbytes for i in graph.graph.initializer}
+        tables = sum(n for name, n in sizes.items() if n in (4 * cfg.vocab_size * C, 4 * cfg.n_positions * C))
+        batch, past = 2, 15
+        gathered = 4 * (batch + past + 1) * C  # one token row per row of the batch, the positions used
+        kv_and_logits = forward_bytes(cfg, batch, 1, past) - forward_bytes(cfg, batch, 1, past, write_kv=False) \
+            + 2 * cfg.n_layer * batch * past * C * 4 + batch * cfg.vocab_size * 4  # fmt: skip
+        model = forward_bytes(cfg, batch, 1, past, precision=precision) - kv_and_logits
+        assert model == pytest.approx(sum(sizes.values()) - tables + gathered, rel=1e-3), precision
     assert "precision" in bench_report.to_csv(doc).splitlines()[0]
 
 
@@ -418,10 +433,12 @@ def _goal_doc(decode_x=(1.25, 1.4), prefill_gflops=96.0, int8=2.5, int4=1 / 2.5,
 def test_goals_on_synthetic_rows():
     g = bench.goals(_goal_doc())
     names = ["decode step at every decode case", "prefill 128 tokens (batch 1)", "vs PyTorch eager",
-             "int8 (ort-cpu-int8)", "int4 (ort-cpu-int4)", "generate, batch 1", "batch 8, past 1023",
-             "batch 1, past 1023", "than Optimum", "than onnxruntime-genai"]  # fmt: skip
+             "int8 (ort-cpu-int8)", "int4 (ort-cpu-int4)", "generate, batch 1", "batch 8, past 128",
+             "int4 decode step, batch 1, past 127", "int8 decode step, batch 1, past 127", "batch 8, past 1023",
+             "batch 1, past 1023", "than Optimum", "than onnxruntime-genai", "OpenVINO or CTranslate2",
+             "OpenVINO's default"]  # fmt: skip
     assert len(g) == len(names) and all(n in x["name"] for n, x in zip(names, g))
-    assert [x["met"] for x in g] == [False, True, False, True, False, True, None, None, None, None]  # no peers
+    assert [x["met"] for x in g] == [True, True, False, True, False, True] + [None] * 9  # 1.4 x floor <= 1.5; no peers
     floor, prefill, torch_, int8, int4, gen = g[:6]
     assert floor["value"] == 1.4 and "B=8 P=512" in floor["detail"] and "2 of the grid's 10 cases" in floor["detail"]
     assert prefill["value"] == pytest.approx(100 / 96) and torch_["value"] == 1.2
@@ -430,6 +447,8 @@ def test_goals_on_synthetic_rows():
     g = bench.goals(_goal_doc(decode_x=(1.25, 1.3), prefill_gflops=80.0, int8=1.9, int4=1 / 3.2, gen_int4=2.4))
     assert [x["met"] for x in g[:6]] == [True, False, False, False, True, False]
     assert g[0]["value"] == 1.3 and "B=8 P=512" in g[0]["detail"] and g[1]["value"] == pytest.approx(1.25)
+    g = bench.goals(_goal_doc(decode_x=(1.6, 1.3)))
+    assert g[0]["met"] is False and g[0]["value"] == 1.6
     doc = _goal_doc()
     doc["ratios"] = [dict(doc["ratios"][0], baseline="ort-cpu", backend="torch", speedup=1 / 1.5)]  # ort-cpu ran first
     doc["rows"] = [r for r in doc["rows"] if r["backend"] in ("torch", "ort-cpu") and r["scenario"] == "prefill"]
@@ -560,3 +579,45 @@ def test_trt_backend_does_not_time_what_tensorrt_refused(tiny_onnx, tmp_path, mo
     backend.trt, backend.runtime, backend._engines, backend.device = trt, trt.Runtime(trt.Logger()), {}, "cpu"
     with pytest.raises(CudaError, match=r"refused shape \[1, 64\] for 'input_ids'"):
         backend.prefill(np.zeros((1, 64), dtype=np.int64))  # longer than the profile's 32
+
+
+def test_issue_24_goals_on_synthetic_rows():
+    """The quantized floors (x_floor of the int4 / int8 decode step at 1x127: int4 <= 1.5, int8 <= 1.3), int4
+    >= 3x fp32 at batch 8, no CPU peer faster than ours at its precision, and our fastest accurate run
+    (ort-cpu or ours-openvino) against OpenVINO's default."""
+    from andrea_export.bench import report
+
+    dec = lambda be, x, b=1, p=127: {"scenario": "decode", "backend": be, "batch": b, "past": p, "seq": 1,
+                                     "new_tokens": 1, "median_ms": 2.0 * x, "floor_ms": 2.0, "x_floor": x,
+                                     "bytes": 67e6, "gbps": 20.0, "bound": "memory", "flops": 1e9,
+                                     "precision": be.rsplit("-", 1)[1]}  # fmt: skip
+    gen = {"scenario": "generate", "seq": 32, "past": 0, "new_tokens": 128}
+    rows = [dec("ort-cpu-int4", 1.4), dec("ort-cpu-int8", 1.35)]
+    rows += [dict(gen, backend=b, batch=n, median_ms=ms, precision=p)
+             for b, p, n, ms in (("ort-cpu", "fp32", 1, 1000.0), ("ours-openvino", "bf16", 1, 800.0),
+                                 ("openvino", "bf16", 1, 900.0), ("ort-cpu", "fp32", 8, 2000.0),
+                                 ("ours-openvino", "bf16", 8, 2100.0), ("openvino", "bf16", 8, 1900.0))]  # fmt: skip
+    ratios = [dict(gen, batch=n, baseline=a, backend=b, speedup=s)
+              for n, a, b, s in ((1, "ort-cpu", "ours-openvino", 1.25), (1, "ort-cpu", "openvino", 1000 / 900),
+                                 (1, "ours-openvino", "openvino", 800 / 900), (8, "ort-cpu", "ours-openvino", 2000 / 2100),
+                                 (8, "ort-cpu", "openvino", 2000 / 1900), (8, "ours-openvino", "openvino", 2100 / 1900))]  # fmt: skip
+    ratios.append({"scenario": "decode", "batch": 8, "seq": 1, "past": 128, "new_tokens": 1, "baseline": "ort-cpu",
+                   "backend": "ort-cpu-int4", "speedup": 3.1})
+    rows += [dec("ort-cpu", 1.0, 8, 128), dec("ort-cpu-int4", 1.0, 8, 128)]
+    doc = {"rows": rows, "ratios": ratios, "machine": {"bandwidth_GBps": 36.0, "matmul_GFLOPs": 200.0},
+           "backends": {b: {"status": "ok"} for b in ("ort-cpu", "ours-openvino", "openvino", "ort-cpu-int4")}}
+    doc["peers"] = report.peers(doc)
+    assert [(q["peer"], q["ours"], q["batch"]) for q in doc["peers"]["ratios"]] == [("openvino", "ours-openvino", 1),
+                                                                                  ("openvino", "ours-openvino", 8)]
+    g = {x["name"]: x for x in bench.goals(doc)}
+    int4_floor = g["int4 decode step, batch 1, past 127 (ort-cpu-int4) vs its own memory floor"]
+    int8_floor = g["int8 decode step, batch 1, past 127 (ort-cpu-int8) vs its own memory floor"]
+    assert (int4_floor["value"], int4_floor["met"], int8_floor["met"]) == (1.4, True, False)
+    assert "67.0 MB" in int4_floor["detail"]
+    b8 = g["decode step, batch 8, past 128: int4 (ort-cpu-int4) vs our fp32 (ort-cpu)"]
+    assert (b8["value"], b8["met"]) == (3.1, True)
+    peer = next(x for n, x in g.items() if "OpenVINO or CTranslate2" in n)
+    assert peer["value"] == pytest.approx(1900 / 2100) and peer["met"] is False and "B=8" in peer["detail"]
+    best = next(x for n, x in g.items() if "fastest accurate" in n)
+    # batch 1: ours-openvino 800 ms beats 900; batch 8: ort-cpu 2000 ms loses to 1900: the worst is 0.95
+    assert best["value"] == pytest.approx(1900 / 2000) and best["met"] is False and "ours ort-cpu" in best["detail"]
