@@ -52,9 +52,18 @@ _USER_ERRNOS = {errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPE
 
 
 def _shapes(ctx, param, value: str | None):
-    """BATCHxN[,BATCHxN...] of ASCII integers; batch >= 1, and N >= 1 except a decode grid's past (>= 0)."""
+    """BATCHxN[,BATCHxN...] of ASCII integers; batch >= 1, and N >= 1 except a decode grid's past (>= 0).
+    A generate grid is BATCHxPROMPTxNEW (each >= 1)."""
     if not value:
         return None
+    if param.name == "generate_grid":
+        shapes = []
+        for s in value.split(","):
+            m = re.fullmatch(r"\s*([0-9]+)[xX]([0-9]+)[xX]([0-9]+)\s*", s)
+            if not m or min(int(g) for g in m.groups()) < 1:
+                raise click.BadParameter(f"'{s}': expected BATCHxPROMPTxNEW[,...], each at least 1, e.g. 1x32x128")
+            shapes.append(tuple(int(g) for g in m.groups()))
+        return shapes
     second, low = ("past", 0) if param.name == "decode_grid" else ("seq", 1)
     shapes = []
     for s in value.split(","):
@@ -552,7 +561,10 @@ def train_demo(out, seed, steps, threads):
               help="Comma-separated. Backends this host cannot run are reported as skipped, with the reason. "
                    "optimum and genai are the peers (what users run instead), reported as time / ort-cpu's; "
                    "ort-cpu-concat is ours on the standard decoder (ort-cpu: the in-place one), for the gain; "
-                   "ort-cpu-int8 / -int4 are ours on weight-only quantized graphs of the same weights.")
+                   "ort-cpu-int8 / -int4 are ours on weight-only quantized graphs of the same weights. CPU peers "
+                   "(the 'peers' extra): openvino (its default precision: bf16 on a bf16 CPU), openvino-f32, "
+                   "openvino-int8, openvino-int4, ctranslate2, ctranslate2-int8, each held against ours at its "
+                   "precision; ours-openvino is our graph and loop on OpenVINO (runtime.load(..., backend='openvino')).")
 @click.option("--scenarios", default="prefill,decode,generate", show_default=True, help="Comma-separated.")
 @click.option("--threads", type=int, default=None, help="Threads for every backend and the limit measurements "
               "(default: the CPUs this process may use).")
@@ -560,6 +572,8 @@ def train_demo(out, seed, steps, threads):
               help="Prefill shapes, e.g. 1x128,4x512 (default: 1/4/16 x 32/128/512/1024).")
 @click.option("--decode-grid", default=None, callback=_shapes, metavar="BxP,...",
               help="Decode batch x past length, e.g. 1x127,8x512 (default: 1x127 and 1/8/32 x 128/512/1023).")
+@click.option("--generate-grid", default=None, callback=_shapes, metavar="BxPROMPTxNEW,...",
+              help="Generation shapes, e.g. 1x32x128,8x32x128 (default: 1/8 x 128 + 64 and 1/8 x 32 + 128).")
 @click.option("--trt-engine", "trt_engines", multiple=True, metavar="VARIANT:ROLE=PLAN",
               help="A TensorRT engine (GPU hosts), e.g. native:prefill=build/model.plan, "
                    "plugin:decode=build/decoder.plan. Repeatable.")
@@ -585,8 +599,8 @@ def train_demo(out, seed, steps, threads):
               help="The load generator: NVIDIA's aiperf (make bench-env), our own streaming client, or aiperf when "
                    "found. On a 2-core machine aiperf's processes take the cores the server needs: use own there.")
 @_user_errors
-def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, trt_engines, out,
-          spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak, serve_load):
+def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, generate_grid,
+          trt_engines, out, spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak, serve_load):
     """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
     the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
 
@@ -619,7 +633,7 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
         config, checkpoint, seed=seed, quick=quick, threads=threads, out=out,
         backends=bench_mod.parse_names(backends, bench_mod.BACKENDS, "backend"),
         scenarios=bench_mod.parse_names(scenarios, bench_mod.SCENARIOS, "scenario"),
-        prefill_grid=prefill_grid, decode_grid=decode_grid,
+        prefill_grid=prefill_grid, decode_grid=decode_grid, generate_grid=generate_grid,
         trt_engines=bench_mod.parse_engine_specs(trt_engines), ort_spin=spin,
     )
     # the goals were printed, the files written: the whole report (a table per scenario) is in bench.md
