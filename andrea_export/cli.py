@@ -398,12 +398,17 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Seed for top-k/top-p sampling (reproducible output); each prompt gets the tokens it gets alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
-@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
-              help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime.")
+@click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
+              show_default=True,
+              help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime. "
+                   "openvino (the 'openvino' extra): the build's fp32 decoder on OpenVINO, in bf16 where the CPU has "
+                   "bf16 instructions (verified by the build: verify.json 'runtimes').")
+@click.option("--inference-precision", type=click.Choice(["default", "bf16", "f32"]), default="default",
+              show_default=True, help="--backend openvino only: what it computes in (default: bf16 where the CPU has it).")
 @click.pass_context
 @_user_errors
 def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy, temperature, top_k, top_p, seed,
-             stop_ids, backend):
+             stop_ids, backend, inference_precision):
     """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
 
     Prints the new token ids of each prompt on a line of its own, in order, each followed by the prompt
@@ -443,7 +448,7 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
             raise click.UsageError(f"--{name.replace('_', '-')} does not apply to --strategy {strategy}"
                                    + (" (greedy decoding samples nothing; choose --strategy top-k or top-p)"
                                       if strategy == "greedy" else ""))
-    with runtime.load(build, backend=backend) as sess:
+    with runtime.load(build, backend=backend, inference_precision=inference_precision) as sess:
         if (sess.weights_source or {}).get("kind") == "random-init":  # as build and verify announce it
             from .progress import warn
 

@@ -56,6 +56,18 @@ def test_generate_several_prompts(lively_decoder):
     assert "error: request 1: prompt token id 8449 at position 0 is outside the vocabulary [0, 8449)" in result.output
 
 
+def test_generate_on_openvino_in_f32_gives_onnx_runtimes_tokens(lively_decoder):
+    pytest.importorskip("openvino", reason="OpenVINO (the 'openvino' extra) is not installed")
+    folder = str(lively_decoder.parent)
+    args = ["generate", folder, "-n", "12", "--prompt-ids", "5,6,7,8,9"]
+    ort = CliRunner().invoke(main, args)
+    ov = CliRunner().invoke(main, args + ["--backend", "openvino", "--inference-precision", "f32"])
+    assert ort.exit_code == ov.exit_code == 0, ov.output
+    assert ov.stdout == ort.stdout and len(ov.stdout.split()) == 12
+    bad = CliRunner().invoke(main, args + ["--inference-precision", "f32"])
+    assert bad.exit_code == 1 and "inference_precision is an OpenVINO setting" in bad.output
+
+
 _NOISY = r"""
 import logging, sys
 from andrea_export.cli import main
