@@ -391,7 +391,7 @@ def _peer_plot(ratios: list[dict], name: str, threads, path: Path, plt) -> Path:
         ax.set_title(scen)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=7)
-    axes[0][0].set_ylabel("peer time / ours (> 1: ours is faster)")
+    axes[0][0].set_ylabel("peer time / ours at its precision (> 1: ours faster)")
     fig.suptitle(f"{name}: the peers on the same weights, same rounds ({threads} threads)")
     fig.tight_layout()
     return _save(fig, path, plt)

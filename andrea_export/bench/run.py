@@ -132,6 +132,8 @@ def run_benchmark(
         try:
             info[b.name] = {"status": "ok", "reason": None, "device": b.device, **b.setup(ctx)}
             b.prepare(scenarios)
+            if getattr(b, "compute_precision", None):  # what the runtime says it computes in, known once loaded
+                info[b.name]["compute_precision"] = b.compute_precision
             active.append(b)
         except (AndreaExportError, ImportError, RuntimeError) as e:
             info[b.name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
