@@ -183,7 +183,7 @@ def test_load_refuses(build_dir, tiny_onnx, tmp_path):
 
     with pytest.raises(InputError) as e:
         runtime.load(build_dir, backend="tvm")
-    assert str(e.value) == "unknown backend 'tvm'; choose one of auto, onnxruntime, tensorrt"
+    assert str(e.value) == "unknown backend 'tvm'; choose one of auto, onnxruntime, tensorrt, openvino"
 
     with pytest.raises(InputError) as e:
         runtime.load(build_dir, backend="tensorrt")

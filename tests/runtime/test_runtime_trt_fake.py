@@ -433,6 +433,9 @@ def gate_only(monkeypatch):
         "artifact": artifacts["decoder_onnx"], "passed": True,  # decoder_checks' shape, as the summary reads it
         "steps": {"passed": True, "steps": 0, "per_step": [{"step": 0, "max_abs_logits": 0.0, "passed": True}]}})
     monkeypatch.setattr(verify_folder, "engine_blocker", lambda plan, info: None)
+    from andrea_export.verify import openvino as verify_openvino  # another runtime's check: not the subject
+
+    monkeypatch.setattr(verify_openvino, "openvino_blocker", lambda: "not the subject of these tests")
 
 
 @pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
