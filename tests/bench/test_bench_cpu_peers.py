@@ -116,7 +116,8 @@ def test_run_holds_each_peer_against_ours_at_its_precision(run):
     assert doc["backends"]["openvino"]["versions"].startswith("openvino")
     compute = {n: b.get("compute_precision") for n, b in doc["backends"].items()}
     assert compute["openvino"] == compute["ours-openvino"] == ("bf16" if bf16 else "fp32")
-    assert compute["openvino-f32"] == "fp32" and compute["ctranslate2-int8"].startswith("int8")
+    assert compute["openvino-f32"] == compute["ort-cpu"] == "fp32" and compute["ctranslate2-int8"].startswith("int8")
+    assert compute["ort-cpu-int8"].startswith("int8 products")
     md = (out / "bench.md").read_text()
     assert "| prefill | B=2 T=16 | openvino-int8 | int8 | ort-cpu-int8 |" in md
 

@@ -71,6 +71,8 @@ class OrtBackend(Backend):
         if self.cuda and self.cache == "inplace":
             raise ValueError("ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels: the CUDA provider "
                              "runs the standard decoder")  # fmt: skip
+        # what its kernels compute in: MatMulNBits with accuracy_level 4 quantizes activations to int8 blocks
+        self.compute_precision = "fp32" if precision == "fp32" else "int8 products (MatMulNBits accuracy_level 4)"
         self.name = "ort-cuda" if self.cuda else "ort-cpu" if self.cache == "inplace" else "ort-cpu-concat"
         if precision != "fp32":
             self.name = f"ort-cpu-{precision}"
