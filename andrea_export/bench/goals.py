@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..progress import console, styled
-from .report import pair_ratio
+from .report import PEERS, pair_ratio
 from .work import DECODE_GRID, DISTURBED_BELOW
 
 
@@ -178,8 +178,6 @@ def _cpu_peer_goals(doc: dict) -> list[dict]:
     precision): our generate at least as fast as each at batch 1 and 8, and the fastest of our accurate
     runs (ort-cpu fp32, ours-openvino: fp32 weights in bf16, verified by the build) at least as fast as
     OpenVINO's default (value: the worst case's peer time / ours)."""
-    from .report import PEERS
-
     cpu_peers = [p for p in PEERS if p.startswith(("openvino", "ctranslate2"))]
     ratios = [q for q in (doc.get("peers") or {}).get("ratios", []) if q["scenario"] == "generate"
               and q["peer"] in cpu_peers and q["batch"] in (1, 8)]  # fmt: skip

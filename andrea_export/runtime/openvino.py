@@ -31,7 +31,23 @@ from ..names import ATTENTION_MASK, INPUT_IDS
 from .base import Session, Steps
 
 PRECISIONS = ("default", "bf16", "f32")  # "default": OpenVINO's choice for this CPU (bf16 where it has bf16)
-_HINTS = {"bf16": "bf16", "f32": "f32"}
+
+
+def cpu_config(threads: int | None = None, precision: str = "default") -> dict:
+    """The CPU plugin's settings for every OpenVINO model of ours (runtime, verification, benchmark): one
+    stream, latency; `threads` INFERENCE_NUM_THREADS (None: OpenVINO's choice); `precision` "bf16" / "f32"
+    as INFERENCE_PRECISION_HINT ("default": OpenVINO's choice)."""
+    config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1"}
+    if precision != "default":
+        config["INFERENCE_PRECISION_HINT"] = precision
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = str(threads)
+    return config
+
+
+def compute_precision(compiled) -> str:
+    """What a compiled model computes in, as OpenVINO reports it: "bf16" or "f32"."""
+    return compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
 
 
 def cpu_has_bf16() -> bool:
@@ -66,14 +82,8 @@ class OpenVinoSession(Session):
             apply_make_stateful_transformation(model, dict(zip(layout.past_names, layout.present_names)))
         except RuntimeError as e:  # OpenVINO's frontend error for a graph it cannot read
             raise InputError(f"{onnx_path}: OpenVINO cannot read this graph: {str(e).strip().splitlines()[-1]}") from None
-        config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1"}
-        if inference_precision in _HINTS:
-            config["INFERENCE_PRECISION_HINT"] = _HINTS[inference_precision]
-        if threads:
-            config["INFERENCE_NUM_THREADS"] = str(threads)
-        self.compiled = core.compile_model(model, "CPU", config)
-        # what OpenVINO will compute in ("bf16" / "f32"), as it reports it after compiling
-        self.inference_precision = self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+        self.compiled = core.compile_model(model, "CPU", cpu_config(threads, inference_precision))
+        self.inference_precision = compute_precision(self.compiled)  # "bf16" / "f32", as OpenVINO reports it
         self._logits = self.compiled.output(0)
 
     def close(self) -> None:

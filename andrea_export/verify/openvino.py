@@ -29,9 +29,10 @@ class OpenVinoRunner(BaseRunner):
     def activate_impl(self):
         import openvino as ov
 
+        from ..runtime.openvino import cpu_config
+
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(self.onnx_path), "CPU",
-                                           {"INFERENCE_PRECISION_HINT": self.inference_precision, "NUM_STREAMS": "1"})  # fmt: skip
+        self.compiled = core.compile_model(core.read_model(self.onnx_path), "CPU", cpu_config(None, self.inference_precision))
         self.request = self.compiled.create_infer_request()
 
     def deactivate_impl(self):

@@ -30,15 +30,11 @@ NOT_ALONE = ("the stateful model owns its cache (no call for one step on a given
              "are timed inside generate")  # fmt: skip
 
 
-def _config(threads: int, hint: str | None) -> dict:
-    """The CPU plugin's settings for every OpenVINO backend: `threads` threads, one stream, latency."""
-    cfg = {"INFERENCE_NUM_THREADS": str(threads), "NUM_STREAMS": "1", "PERFORMANCE_HINT": "LATENCY"}
-    return cfg | ({"INFERENCE_PRECISION_HINT": hint} if hint else {})
-
-
 def _precision(compiled) -> str:
-    """"bf16" / "fp32" from what a compiled model reports."""
-    name = compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
+    """"bf16" / "fp32" (the bench's names) from what a compiled model reports."""
+    from ...runtime.openvino import compute_precision
+
+    name = compute_precision(compiled)
     return {"f32": "fp32"}.get(name, name)
 
 
@@ -99,7 +95,9 @@ class OpenVinoBackend(Backend):
         try:
             xml = self.ctx.cached(f"openvino-{self.mode}-{_versions()}/openvino_model.xml",
                                   lambda p: export_with_optimum_intel(self.ctx.model, p.parent, self.mode))  # fmt: skip
-            cfg = _config(self.ctx.threads, "f32" if self.mode == "f32" else None)
+            from ...runtime.openvino import cpu_config
+
+            cfg = cpu_config(self.ctx.threads, "f32" if self.mode == "f32" else "default")
             self.hf = OVModelForCausalLM.from_pretrained(xml.parent, ov_config=cfg, compile=True)
         except Exception as e:  # a third-party exporter's error (any type) fails this peer, not the whole run
             raise Unavailable(f"optimum-intel's export or load failed: {type(e).__name__}: {e}") from e
@@ -153,8 +151,7 @@ class OursOpenVinoBackend(Backend):
 
         self.session = OpenVinoSession(self.ctx.decoder_onnx(), self.ctx.cfg, kv_layout(self.ctx.cfg),
                                        threads=self.ctx.threads)  # fmt: skip
-        self.precision = self.compute_precision = {"f32": "fp32"}.get(self.session.inference_precision,
-                                                                      self.session.inference_precision)  # fmt: skip
+        self.precision = self.compute_precision = _precision(self.session.compiled)
 
     def prefill(self, ids):
         mask = np.ones_like(ids)
