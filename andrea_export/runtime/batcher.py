@@ -11,8 +11,9 @@
 One engine thread owns a SlotCache (ort.py: the in-place cache, one slot per sequence). Each step:
   1. admit waiting requests into free slots (lowest first, so the running slots stay packed at the front);
   2. cancelled requests leave, each with a final event;
-  3. prefill: at most `prefill_chunk` prompt tokens in all, oldest admission first, each slot's prompt in
-     chunks (a long prompt joins over several steps instead of stalling every stream for a whole prefill);
+  3. prefill: one run, the next `prefill_chunk` tokens (at most) of the oldest admission's prompt (a long
+     prompt joins over several steps instead of stalling every stream for a whole prefill; one run per step,
+     because every run reads all the weights: two half chunks cost a step more than one whole one);
      a slot whose prompt is complete samples its first token from the prefill's last logits;
   4. one decode run over the slots 0 .. the highest decoding one: decoding slots feed their last token;
      the others (free, or part-way through their prompt) feed a pad token that writes the position after
@@ -85,10 +86,10 @@ ADMIT = ("in-flight", "whole")
 
 class Batcher:
     """In-flight batching over `session`'s in-place cache (see the module docstring). `slots`: the most
-    requests that share a step; `prefill_chunk`: prompt tokens prefilled per step, in all: the trade between
+    requests that share a step; `prefill_chunk`: the most prompt tokens prefilled per step (one run): the trade between
     a joining request's first token and the running streams' worst gap (ANDREA-120M fp32, 16 clients, 2
-    cores, in process: 64 gave the first token in 0.3-0.4 s at the median against 1.1-1.3 s for 16, and an
-    inter-token p99 of 3.3-8x its median against 2.1-4.9x; tokens/s within this machine's noise). `admit`:
+    cores, in process, steady state: 64 gave a first token at 101 / 348 ms p50 / p99 and an inter-token p99
+    of 2.9x its median, 32 gave 152 / 520 ms and 1.9x, and 5 % fewer tokens/s). `admit`:
     "in-flight" (a request joins at the next step) or "whole" (requests join only an idle batch, which then
     runs until its last request ends: batching of whole requests, as a dynamic batcher does, for comparison)."""
 
@@ -171,16 +172,14 @@ class Batcher:
         for i, s in enumerate(self.slots):
             if s is not None and s.ticket.cancelled.is_set():
                 self._finish(i, Event(None, True, "cancelled"))
-        budget = self.prefill_chunk
-        for i, s in sorted(((i, s) for i, s in enumerate(self.slots) if s is not None and s.last is None),
-                           key=lambda x: x[1].ticket.number):
-            if budget == 0:
-                break
+        prefilling = [(s.ticket.number, i) for i, s in enumerate(self.slots) if s is not None and s.last is None]
+        if prefilling:
+            i = min(prefilling)[1]
+            s = self.slots[i]
             prompt = s.row.prompt
-            n = min(budget, len(prompt) - s.fed)
+            n = min(self.prefill_chunk, len(prompt) - s.fed)
             logits = self.cache.run(i, np.asarray([prompt[s.fed:s.fed + n]]), np.asarray([s.fed + n]))
             s.fed = s.held = s.fed + n
-            budget -= n
             if s.fed == len(prompt):
                 self._sample(i, s, logits[0, -1])
         decoding = [i for i, s in enumerate(self.slots) if s is not None and s.last is not None]

@@ -23,6 +23,11 @@ def test_the_serve_benchmark_runs_levels_and_modes_and_writes_its_report(lively_
     for r in runs.values():
         assert r["errors"] == 0 and r["tokens"] > 0 and r["rss_mb"] > 10 and r["ttft_ms"]["p50"] > 0
     assert runs["in-flight", 4]["requests"] == 8 and doc["settings"]["load"] == "own client"
+    # latencies without each client's first request (the start's burst); the burst's TTFT kept beside
+    assert runs["in-flight", 4]["latency_requests"] == 4 and runs["in-flight", 1]["latency_requests"] == 7
+    assert runs["in-flight", 4]["ttft_all_ms"]["p99"] >= runs["in-flight", 4]["ttft_ms"]["p50"] > 0
+    steps = doc["decode_step_ms"]["tiny"]
+    assert set(steps) == {"1", "4"} and runs["in-flight", 4]["ideal_x"] == pytest.approx(4 * steps["1"] / steps["4"], rel=0.2)
     assert doc["soak"]["requests"] == 120 and doc["soak"]["errors"] == 0
     goals = {g["goal"] for g in doc["goals"]}
     assert not any("inter-token p99" in g for g in goals)  # no 16-stream level in this run
