@@ -4,7 +4,6 @@ alone; cancellation, bad requests, a failing step and stopping behave as a servi
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
