@@ -479,7 +479,8 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Requests that share a decode step (in-flight batching slots).")
 @click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=64, show_default=True,
-              help="Prompt tokens prefilled per step: a joining prompt never stalls the running streams longer.")
+              help="Most prompt tokens prefilled per step (one run: the oldest joining prompt's next chunk). "
+                   "Smaller keeps the running streams' gaps shorter, larger gives first tokens sooner.")
 @click.option("--env", "env", type=click.Path(path_type=Path), default=None,
               help="The serving environment (a venv with nvidia-pytriton, numpy < 2). [default: "
                    "$ANDREA_EXPORT_SERVE_ENV, else ./.venv-serve, made by `make serve-env`]")
