@@ -119,9 +119,9 @@ class SlotCache:
         # Written now, so that the pages are the process's from the start: its memory is known when it
         # starts serving, and no request pays for first touches (left untouched, the first runs into fresh
         # slots took 160-330 ms against 20-60 on ANDREA-120M fp32, 2 cores).
-        self.buffers = [np.zeros(shape, dtype=np.dtype(L.cache_dtype)) for _ in L.past_names]
+        self.buffers = [np.empty(shape, dtype=np.dtype(L.cache_dtype)) for _ in L.past_names]
         for buffer in self.buffers:
-            buffer.fill(0)  # np.zeros' pages are the kernel's zero page until written
+            buffer.fill(0)  # not np.zeros: its pages stay the kernel's until first written
         self.slot_bytes = self.buffers[0][0].nbytes
 
     def run(self, first: int, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
