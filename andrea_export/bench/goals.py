@@ -116,6 +116,20 @@ def _quantized_goals(doc: dict) -> list[dict]:
                        f"{precision} weights and scales, float32 rest, the cache; {r['gbps']:.1f} GB/s of "
                        f"{doc['machine']['bandwidth_GBps']:.1f})") if x is not None else "not run",
         })  # fmt: skip
+        # the same bytes read in the same rounds (mem-read-<precision>): the bandwidth's drift cancels
+        read = f"mem-read-{precision}"
+        q = pair_ratio(doc, read, f"ort-cpu-{precision}", scenario="decode", batch=1, past=127)
+        m = _find(doc, scenario="decode", backend=read, batch=1, past=127)
+        x = 1 / q["speedup"] if q else None
+        out.append({
+            "name": f"{precision} decode step, batch 1, past 127 (ort-cpu-{precision}) vs its own bytes read in "
+                    "the same rounds",
+            "target": f"<= {target:g} x floor",
+            "value": x, "met": (x <= target) if x is not None else None,
+            "detail": (f"median of per-round t_{precision} / t_read; reading the step's bytes took "
+                       f"{m['median_ms']:.2f} ms ({m['gbps']:.1f} GB/s) in those rounds") if (x and m)
+            else f"not run ({read} not in the run)",
+        })  # fmt: skip
     return out
 
 

@@ -341,12 +341,12 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
     pasts = [p for p in sorted({r["past"] for r in dec}) if len({r["batch"] for r in dec if r["past"] == p}) > 1]
     panels = [("decode", p) for p in pasts] + ([("generate", None)] if len({r["batch"] for r in gen}) > 1 else [])
     if panels:
-        backends = list(dict.fromkeys(r["backend"] for r in dec + gen if r["backend"] != "mem-read"))
+        backends = list(dict.fromkeys(r["backend"] for r in dec + gen if not r["backend"].startswith("mem-read")))
         color = {b: f"C{i}" for i, b in enumerate(backends)}
         fig, axes = plt.subplots(1, len(panels), figsize=(max(4.2 * len(panels), 9), 4.5), squeeze=False, sharey=True)
         for ax, (scen, past) in zip(axes[0], panels):
             rows = [r for r in (dec if scen == "decode" else gen) if past is None or r["past"] == past]
-            for backend in dict.fromkeys(r["backend"] for r in rows):
+            for backend in dict.fromkeys(r["backend"] for r in rows if r["backend"] in color or r["backend"] == "mem-read"):
                 pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["backend"] == backend)
                 style = dict(color="0.5", linestyle=":", marker=".", label="reading the bytes once (same rounds)") \
                     if backend == "mem-read" else dict(color=color[backend], marker="o", label=backend)

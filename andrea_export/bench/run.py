@@ -15,6 +15,7 @@ import torch
 from ..config import ModelConfig, load_config
 from ..errors import AndreaExportError
 from ..model.andrea import Andrea
+from ..names import WEIGHT_ONLY
 from ..progress import console, styled
 from .backends import DEFAULT_BACKENDS, Backend, Context, Unavailable, default_cache_dir, make_backends
 from .goals import goals, print_summary
@@ -26,7 +27,6 @@ from .work import (
     DISTURBED_BELOW,
     GENERATE_GRID,
     PREFILL_GRID,
-    QUANT_BYTES_PER_WEIGHT,
     QUICK_DECODE_GRID,
     QUICK_GENERATE_GRID,
     QUICK_PREFILL_GRID,
@@ -251,8 +251,8 @@ def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbyt
     rate this run does not measure; its prefill, and bf16 rows (OpenVINO's default), have no floor (null
     bytes, floor_ms, bound, x_floor, gbps): their speed is reported against ours instead."""
     med_s = st.median_ms / 1e3
-    floored = precision == "fp32" or (precision in QUANT_BYTES_PER_WEIGHT and scenario != "prefill")
-    if precision in QUANT_BYTES_PER_WEIGHT:
+    floored = precision == "fp32" or (precision in WEIGHT_ONLY and scenario != "prefill")
+    if precision in WEIGHT_ONLY:
         floor_s, bound = nbytes / (machine["bandwidth_GBps"] * 1e9), "memory"
     else:
         floor_s, bound = floor_seconds(flops, nbytes, machine)

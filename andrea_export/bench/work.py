@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..config import ModelConfig
+from ..names import WEIGHT_ONLY
 
 SCENARIOS = ("prefill", "decode", "generate")
 
@@ -41,9 +42,19 @@ def forward_flops(cfg: ModelConfig, batch: int, new: int, past: int = 0) -> int:
     return 2 * matmul_params(cfg) * batch * new + attention_flops(cfg, batch, new, past)
 
 
-# Bytes per matmul weight of the weight-only graphs ORT runs (graphs/quantize.py QUANT: MatMulNBits, symmetric,
-# no zero points): the packed integers plus one float32 scale per block (int8: 64, int4: 32 along K)
-QUANT_BYTES_PER_WEIGHT = {"int8": 1 + 4 / 64, "int4": 0.5 + 4 / 32}
+def quantized_matmul_bytes(cfg: ModelConfig, precision: str) -> int:
+    """Bytes of the matmul weights of the weight-only graph ORT runs (graphs/quantize.py: MatMulNBits,
+    symmetric, no zero points): the packed integers plus one float32 scale per block along K, each
+    MatMul at its own block (quantize.block_for: K = n_embd or 4 n_embd; the head's block)."""
+    from ..graphs.quantize import QUANT, block_for
+
+    C, bits = cfg.n_embd, QUANT[precision]["bits"]
+
+    def per_weight(k: int, head: bool = False) -> float:
+        return bits / 8 + 4 / block_for(k, precision, head=head)
+
+    body = cfg.n_layer * (8 * C * C * per_weight(C) + 4 * C * C * per_weight(4 * C))  # qkv, proj, fc; fc2
+    return int(body + cfg.vocab_size * C * per_weight(C, head=True))
 
 
 def forward_bytes(cfg: ModelConfig, batch: int, new: int, past: int = 0, write_kv: bool = True,
@@ -55,14 +66,14 @@ def forward_bytes(cfg: ModelConfig, batch: int, new: int, past: int = 0, write_k
     its present, which is avoidable, so not counted.
 
     `precision` "int8" / "int4": the weight-only graph, whose matmul weights (the output projection's
-    quantized copy of the embedding included) are read at QUANT_BYTES_PER_WEIGHT, while the float32
+    quantized copy of the embedding included) are read at quantized_matmul_bytes, while the float32
     embedding table is only gathered from (one row per token) and biases and LayerNorms stay float32."""
     C, L = cfg.n_embd, cfg.n_layer
     used_positions = min(past + new, cfg.n_positions)
-    if precision in QUANT_BYTES_PER_WEIGHT:
+    if precision in WEIGHT_ONLY:
         tables = (cfg.vocab_size + cfg.n_positions) * C
         small = cfg.n_params - matmul_params(cfg) - tables + cfg.vocab_size * C  # + V C: tied, counted in both
-        weights = int(matmul_params(cfg) * QUANT_BYTES_PER_WEIGHT[precision]) + 4 * (small + (batch * new + used_positions) * C)
+        weights = quantized_matmul_bytes(cfg, precision) + 4 * (small + (batch * new + used_positions) * C)
     else:
         weights = (cfg.n_params - (cfg.n_positions - used_positions) * C) * dtype_bytes
     kv_read = 2 * L * batch * past * C * dtype_bytes

@@ -229,7 +229,7 @@ def test_run_rows_and_skips(run):
     assert len(m["measurements"]) == 2  # at the start and at the end; the best of each figure counts
     assert m["matmul_GFLOPs"] == max(x["matmul_GFLOPs"] for x in m["measurements"])
     assert m["matmul_GFLOPs"] == max(m["torch_matmul_GFLOPs"], m["ort_matmul_GFLOPs"])
-    assert len(doc["goals"]) == 15 and all(g["met"] is None for g in doc["goals"])  # not in this tiny grid, no peers
+    assert len(doc["goals"]) == 17 and all(g["met"] is None for g in doc["goals"])  # not in this tiny grid, no peers
     assert isinstance(doc["warnings"], list) and len(doc["loadavg_end"]) == 3
 
 
@@ -434,11 +434,13 @@ def test_goals_on_synthetic_rows():
     g = bench.goals(_goal_doc())
     names = ["decode step at every decode case", "prefill 128 tokens (batch 1)", "vs PyTorch eager",
              "int8 (ort-cpu-int8)", "int4 (ort-cpu-int4)", "generate, batch 1", "batch 8, past 128",
-             "int4 decode step, batch 1, past 127", "int8 decode step, batch 1, past 127", "batch 8, past 1023",
+             "int4 decode step, batch 1, past 127", "int4 decode step, batch 1, past 127 (ort-cpu-int4) vs its own bytes",
+             "int8 decode step, batch 1, past 127", "int8 decode step, batch 1, past 127 (ort-cpu-int8) vs its own bytes",
+             "batch 8, past 1023",
              "batch 1, past 1023", "than Optimum", "than onnxruntime-genai", "OpenVINO or CTranslate2",
              "OpenVINO's default"]  # fmt: skip
     assert len(g) == len(names) and all(n in x["name"] for n, x in zip(names, g))
-    assert [x["met"] for x in g] == [True, True, False, True, False, True] + [None] * 9  # 1.4 x floor <= 1.5; no peers
+    assert [x["met"] for x in g] == [True, True, False, True, False, True] + [None] * 11  # 1.4 x floor <= 1.5; no peers
     floor, prefill, torch_, int8, int4, gen = g[:6]
     assert floor["value"] == 1.4 and "B=8 P=512" in floor["detail"] and "2 of the grid's 10 cases" in floor["detail"]
     assert prefill["value"] == pytest.approx(100 / 96) and torch_["value"] == 1.2
@@ -512,20 +514,22 @@ def test_floor_read_in_the_same_rounds_gives_the_paired_goal():
         "ratios": [{"scenario": "decode", "batch": 1, "seq": 1, "past": 127, "new_tokens": 1,
                     "baseline": "mem-read", "backend": "ort-cpu", "speedup": 0.625}],
     }
-    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"]]
+    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"] and "fp32" in g["name"]]
     assert len(paired) == 1
     assert paired[0]["value"] == pytest.approx(1.6) and paired[0]["met"] is False and "B=1 P=127" in paired[0]["detail"]
     doc["ratios"][0]["speedup"] = 1 / 1.2  # ours 1.2x the floor read in the same rounds: within 1.3x
-    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"]]
+    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"] and "fp32" in g["name"]]
     assert paired[0]["value"] == pytest.approx(1.2) and paired[0]["met"] is True
     # a read that beat the machine's measured bandwidth (x floor < 0.95, a warning of the run) was disturbed:
     # it is no floor to hold a backend against, so the paired goal leaves that case out and says so
     doc["rows"][0]["x_floor"] = 0.35
-    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"]]
+    paired = [g for g in bench.goals(doc) if "same rounds" in g["name"] and "fp32" in g["name"]]
     assert paired[0]["met"] is None and "B=1 P=127" in paired[0]["detail"] and "left out" in paired[0]["detail"]
 
 
-def test_mem_read_reads_the_decode_step_bytes():
+@pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
+def test_mem_read_reads_the_decode_step_bytes(precision):
+    """mem-read (and mem-read-int8 / -int4: a quantized step's own bytes) reads exactly the step's bytes."""
     import numpy as np
 
     from andrea_export import bench
@@ -534,11 +538,12 @@ def test_mem_read_reads_the_decode_step_bytes():
     class Ctx:
         cfg, threads = ANDREA_TINY, 1
 
-    b = bench.MemReadBackend()
+    (b,) = bench.make_backends(["mem-read" if precision == "fp32" else f"mem-read-{precision}"])
+    assert b.precision == precision
     b.setup(Ctx())
     past = [np.zeros((2, ANDREA_TINY.n_head, 9, ANDREA_TINY.head_dim), np.float32)]
     run = b.decode(np.zeros((2, 1), np.int64), np.ones((2, 10), np.int64), past)
-    expected = bench.forward_bytes(ANDREA_TINY, 2, 1, 9) // 4
+    expected = bench.forward_bytes(ANDREA_TINY, 2, 1, 9, precision=precision) // 4
     assert float(run()) == expected  # a sum of ones over exactly the step's bytes
 
 
@@ -603,6 +608,10 @@ def test_issue_24_goals_on_synthetic_rows():
                                  (8, "ort-cpu", "openvino", 2000 / 1900), (8, "ours-openvino", "openvino", 2100 / 1900))]  # fmt: skip
     ratios.append({"scenario": "decode", "batch": 8, "seq": 1, "past": 128, "new_tokens": 1, "baseline": "ort-cpu",
                    "backend": "ort-cpu-int4", "speedup": 3.1})
+    d127 = {"scenario": "decode", "batch": 1, "seq": 1, "past": 127, "new_tokens": 1}
+    rows += [dec("mem-read-int4", 1.2), dec("mem-read-int8", 1.0)]  # the read of each one's bytes, same rounds
+    ratios += [dict(d127, baseline="mem-read-int4", backend="ort-cpu-int4", speedup=1 / 1.25),  # t_q = 1.25 t_read
+               dict(d127, baseline="ort-cpu-int8", backend="mem-read-int8", speedup=1.4)]  # the other way round
     rows += [dec("ort-cpu", 1.0, 8, 128), dec("ort-cpu-int4", 1.0, 8, 128)]
     doc = {"rows": rows, "ratios": ratios, "machine": {"bandwidth_GBps": 36.0, "matmul_GFLOPs": 200.0},
            "backends": {b: {"status": "ok"} for b in ("ort-cpu", "ours-openvino", "openvino", "ort-cpu-int4")}}
@@ -614,6 +623,11 @@ def test_issue_24_goals_on_synthetic_rows():
     int8_floor = g["int8 decode step, batch 1, past 127 (ort-cpu-int8) vs its own memory floor"]
     assert (int4_floor["value"], int4_floor["met"], int8_floor["met"]) == (1.4, True, False)
     assert "67.0 MB" in int4_floor["detail"]
+    int4_paired = g["int4 decode step, batch 1, past 127 (ort-cpu-int4) vs its own bytes read in the same rounds"]
+    int8_paired = g["int8 decode step, batch 1, past 127 (ort-cpu-int8) vs its own bytes read in the same rounds"]
+    assert (int4_paired["value"], int4_paired["met"]) == (pytest.approx(1.25), True)
+    assert (int8_paired["value"], int8_paired["met"]) == (pytest.approx(1.4), False)
+    assert "2.40 ms (20.0 GB/s)" in int4_paired["detail"]  # mem-read-int4's row
     b8 = g["decode step, batch 8, past 128: int4 (ort-cpu-int4) vs our fp32 (ort-cpu)"]
     assert (b8["value"], b8["met"]) == (3.1, True)
     peer = next(x for n, x in g.items() if "OpenVINO or CTranslate2" in n)

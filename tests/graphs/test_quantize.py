@@ -15,6 +15,7 @@ from andrea_export.errors import ConfigError, ExportError
 from andrea_export.graphs.quantize import (
     QUANT,
     TIED_HEAD,
+    block_for,
     check_model_shape,
     matmulnbits,
     quantize_weights,
@@ -44,8 +45,13 @@ def test_every_weight_matmul_becomes_matmulnbits(tiny_onnx, tmp_path, precision)
     model = onnx.load(str(out))
     q = matmulnbits(model)
     assert sorted((m["K"], m["N"]) for m in q) == TINY_MATMULS  # the tied head too
-    assert {(m["bits"], m["block_size"]) for m in q} == {(QUANT[precision]["bits"], QUANT[precision]["block_size"])}
-    assert all(m["K"] % m["block_size"] == 0 for m in q)
+    assert {m["bits"] for m in q} == {QUANT[precision]["bits"]}
+    # blocks of 128 along K where K allows, else the largest power of two dividing K: a block past K
+    # would be padded with zeros (andrea-tiny's K = 64 MatMuls at 128 would read twice their bytes);
+    # int4's head (N = vocab) in blocks of 32, where most of int4's error is
+    head = [m for m in q if m["N"] == ANDREA_TINY.vocab_size]
+    assert len(head) == 1 and head[0]["block_size"] == {"int8": 64, "int4": 32}[precision]
+    assert {(m["K"], m["block_size"]) for m in q if m not in head} == {(64, 64), (256, 128)}
     inits = {t.name: t for t in model.graph.initializer}
     # no float MatMul with a constant weight is left; the embedding Gather still reads the float32 table
     assert not [n for n in model.graph.node if n.op_type == "MatMul" and n.input[1] in inits]
@@ -118,10 +124,12 @@ def test_bad_combinations_are_refused(tiny_onnx, tmp_path):
     with pytest.raises(ExportError, match="already a int4 graph; quantize the fp32 export"):
         quantize_weights(int4, tmp_path / "again.onnx", "int8")
     odd = ModelConfig(name="odd", vocab_size=64, n_embd=48, n_layer=1, n_head=4, n_positions=16)
-    with pytest.raises(ConfigError, match="blocks of 32 along n_embd; odd's n_embd = 40"):
-        check_model_shape(ModelConfig(name="odd", vocab_size=64, n_embd=40, n_layer=1, n_head=4, n_positions=16), "int4")
-    with pytest.raises(ConfigError, match="blocks of 64 along n_embd; odd's n_embd = 48"):
-        check_model_shape(odd, "int8")
+    for precision in WEIGHT_ONLY:
+        with pytest.raises(ConfigError, match="blocks of 16 to 128 along n_embd; odd's n_embd = 40 is not a multiple of 16"):
+            check_model_shape(ModelConfig(name="odd", vocab_size=64, n_embd=40, n_layer=1, n_head=4, n_positions=16), precision)
+    check_model_shape(odd, "int8")  # 48 = 3 x 16: blocks of 16
+    assert [block_for(k, "int4") for k in (48, 64, 256, 768, 3072, 40)] == [16, 64, 128, 128, 128, None]
+    assert [block_for(k, "int4", head=True) for k in (48, 64, 768)] == [16, 32, 32]
     check_model_shape(odd, "fp16")  # float precisions have no blocks
 
 
@@ -156,7 +164,7 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
     assert manifest["builder"]["source_graph"] == a["onnx_qdq"]  # the engine is built from the Q/DQ graph
     for graph in (a["decoder_onnx"], a["decoder_onnx_inplace"]):
         assert {(m["bits"], m["block_size"], m["accuracy_level"]) for m in matmulnbits(onnx.load(str(out / graph)))} == {
-            (QUANT[precision]["bits"], QUANT[precision]["block_size"], 4)}  # int8 x int8 on the CPU (see quantize.py)
+            (QUANT[precision]["bits"], block, 4) for block in {"int8": (64, 128), "int4": (32, 64, 128)}[precision]}
     assert report["perplexity"]["computed"] and report["perplexity"]["max_rel_diff"] == MAX_PPL_REL[precision]
     assert {c["artifact"] for c in report["comparisons"]} == {"onnxrt", "onnxrt-plugin"}
     for c in report["comparisons"]:

@@ -16,7 +16,7 @@ from .ort import OrtBackend, session_options
 from .pytorch import TorchBackend, torch_greedy
 from .tensorrt import TrtBackend
 
-BACKENDS = ("mem-read", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ours-openvino", "ort-cuda",
+BACKENDS = ("mem-read", "mem-read-int8", "mem-read-int4", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ours-openvino", "ort-cuda",
             "trt-native", "trt-plugin", "optimum", "genai", "openvino", "openvino-f32", "openvino-int8", "openvino-int4",
             "ctranslate2", "ctranslate2-int8", "optimum-hf-folder")
 DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
@@ -25,8 +25,8 @@ DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our gra
 def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = True) -> list[Backend]:
     out = []
     for n in names:
-        if n == "mem-read":
-            out.append(MemReadBackend())
+        if n in ("mem-read", "mem-read-int8", "mem-read-int4"):
+            out.append(MemReadBackend("fp32" if n == "mem-read" else n.rsplit("-", 1)[1]))
         elif n == "torch":
             out.append(TorchBackend())
         elif n == "ort-cpu":

@@ -13,15 +13,20 @@ class MemReadBackend(Backend):
     every weight and the KV cache once, so this reads that many bytes (torch.sum over a float32 buffer
     of the step's `forward_bytes`, same threads). On a shared machine the bandwidth drifts by 1.5x
     within minutes; paired per iteration with a backend, median(t_backend / t_read) is that backend's
-    multiple of the floor with the drift cancelled (`goals` reports it beside the start/end floor)."""
+    multiple of the floor with the drift cancelled (`goals` reports it beside the start/end floor).
+    `precision` int8 / int4 (`mem-read-int8`, `mem-read-int4`): the bytes of that weight-only step."""
 
-    name = "mem-read"
+    def __init__(self, precision: str = "fp32"):
+        self.precision = precision
+        self.name = "mem-read" if precision == "fp32" else f"mem-read-{precision}"
 
     def setup(self, ctx: Context) -> dict:
         self.cfg, self.threads = ctx.cfg, ctx.threads
-        return {"method": "torch.sum over a float32 buffer of the decode step's bytes (weights + KV cache)"}
+        return {"method": "torch.sum over a float32 buffer of the decode step's bytes (weights + KV cache"
+                          + ("" if self.precision == "fp32" else f"; {self.precision} weights and scales") + ")"}
 
     def decode(self, ids, mask, past):
         torch.set_num_threads(self.threads)
-        buf = torch.ones(forward_bytes(self.cfg, ids.shape[0], 1, past[0].shape[2]) // 4)
+        nbytes = forward_bytes(self.cfg, ids.shape[0], 1, past[0].shape[2], precision=self.precision)
+        buf = torch.ones(nbytes // 4)
         return lambda: buf.sum()

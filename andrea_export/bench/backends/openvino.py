@@ -3,7 +3,7 @@
 - the peer a user of Intel's stack runs (`openvino`, `openvino-f32`, `openvino-int8`, `openvino-int4`):
   optimum-intel's export of transformers' GPT-2 holding the same weights (what `optimum-cli export openvino`
   does; int8 / int4 by its NNCF weight compression: int8 symmetric per channel, int4 symmetric in groups of
-  32, every layer), run by `OVModelForCausalLM` (stateful: the cache lives in the infer request). `openvino`
+  128, NNCF's default and ours (graphs/quantize.py), every layer), run by `OVModelForCausalLM` (stateful: the cache lives in the infer request). `openvino`
   takes OpenVINO's default inference precision, which is bf16 on a CPU with bf16 instructions; `-f32` sets
   INFERENCE_PRECISION_HINT f32. The quantized ones keep the default for their activations.
 - ours on OpenVINO (`ours-openvino`): the build's own decoder.onnx through `runtime.openvino` (our loop,
@@ -38,6 +38,13 @@ def _precision(compiled) -> str:
     return {"f32": "fp32"}.get(name, name)
 
 
+def int4_group(cfg) -> int:
+    """NNCF's int4 group: our MatMulNBits block (128 where n_embd allows; andrea-tiny: 64)."""
+    from ...graphs.quantize import block_for
+
+    return block_for(cfg.n_embd, "int4")
+
+
 def export_with_optimum_intel(model, out: str | Path, mode: str) -> Path:
     """`out/` with optimum-intel's OpenVINO export of `model` (through transformers' GPT-2), weights
     compressed for `mode` int8 / int4, openvino_model.xml written last."""
@@ -46,8 +53,9 @@ def export_with_optimum_intel(model, out: str | Path, mode: str) -> Path:
     from ...deploy.optimum import to_transformers
     from ...folder.atomic import staging
 
+    group = int4_group(model.cfg)
     quant = {"int8": OVWeightQuantizationConfig(bits=8, sym=True),
-             "int4": OVWeightQuantizationConfig(bits=4, sym=True, group_size=32, ratio=1.0)}.get(mode)  # fmt: skip
+             "int4": OVWeightQuantizationConfig(bits=4, sym=True, group_size=group, ratio=1.0)}.get(mode)  # fmt: skip
     out = Path(out)
     with tempfile.TemporaryDirectory(prefix="andrea-hf-") as hf_dir, staging(out, marker_suffix=".xml") as tmp:
         to_transformers(model).save_pretrained(hf_dir)
@@ -85,7 +93,7 @@ class OpenVinoBackend(Backend):
         self.ctx = ctx
         return {"threads": ctx.threads, "device": "cpu", "versions": _versions(),
                 "exporter": "optimum-intel OVModelForCausalLM.from_pretrained(export=True)"
-                + {"int8": ", NNCF int8 symmetric per channel", "int4": ", NNCF int4 symmetric, groups of 32, ratio 1.0"}
+                + {"int8": ", NNCF int8 symmetric per channel", "int4": f", NNCF int4 symmetric, groups of {int4_group(ctx.cfg)}, ratio 1.0"}
                 .get(self.mode, ""),
                 "precision_hint": "f32" if self.mode == "f32" else "OpenVINO's default"}  # fmt: skip
 

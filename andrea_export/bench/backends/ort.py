@@ -28,9 +28,9 @@ def session_options(threads: int, spin: bool = True):
 
 PRECISIONS = {  # the weights a backend's graphs hold -> what the report says about them
     "fp32": "fp32",
-    "int8": "int8 weight-only (graphs/quantize.py: MatMulNBits, blocks of 64, accuracy_level 4: int8 x int8 products; "
+    "int8": "int8 weight-only (graphs/quantize.py: MatMulNBits, blocks of 128, accuracy_level 4: int8 x int8 products; "
             "embedding gather table fp32)",
-    "int4": "int4 weight-only (graphs/quantize.py: MatMulNBits, blocks of 32, accuracy_level 4: int8 x int8 products; "
+    "int4": "int4 weight-only (graphs/quantize.py: MatMulNBits, blocks of 128, the head 32, accuracy_level 4: int8 x int8 products; "
             "embedding gather table fp32)",
 }
 
