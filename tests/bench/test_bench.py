@@ -547,6 +547,27 @@ def test_mem_read_reads_the_decode_step_bytes(precision):
     assert float(run()) == expected  # a sum of ones over exactly the step's bytes
 
 
+def test_the_mem_read_backends_of_a_run_share_one_buffer():
+    """Each reader of a case holding its own buffer took 2.4 GB apiece at batch 32 past 1023 (a run with
+    mem-read, -int8 and -int4 beside the peers was killed for memory): they read views of one."""
+    import numpy as np
+
+    from andrea_export import bench
+    from andrea_export.config import ANDREA_TINY
+
+    class Ctx:
+        cfg, threads = ANDREA_TINY, 1
+
+    ctx, runs = Ctx(), []
+    for b in bench.make_backends(["mem-read", "mem-read-int8", "mem-read-int4"]):
+        b.setup(ctx)
+        past = [np.zeros((2, ANDREA_TINY.n_head, 9, ANDREA_TINY.head_dim), np.float32)]
+        runs.append(b.decode(np.zeros((2, 1), np.int64), np.ones((2, 10), np.int64), past))
+    assert len({r.buffer.untyped_storage().data_ptr() for r in runs}) == 1
+    assert [float(r()) for r in runs] == [bench.forward_bytes(ANDREA_TINY, 2, 1, 9, precision=p) // 4
+                                          for p in ("fp32", "int8", "int4")]  # fmt: skip
+
+
 @pytest.mark.parametrize("flag, spinning", [("--spin", True), ("--no-spin", False), (None, True)])
 def test_cli_spin_reaches_every_ort_backend(tmp_path, flag, spinning):
     """`bench` lets ORT spin-wait by default (ORT's own default, what `runtime.load` gives a user, and what
