@@ -342,7 +342,8 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
     panels = [("decode", p) for p in pasts] + ([("generate", None)] if len({r["batch"] for r in gen}) > 1 else [])
     if panels:
         backends = list(dict.fromkeys(r["backend"] for r in dec + gen if not r["backend"].startswith("mem-read")))
-        color = {b: f"C{i}" for i, b in enumerate(backends)}
+        palette = plt.get_cmap("tab10" if len(backends) <= 10 else "tab20")  # a peers run has 13: no colour twice
+        color = {b: palette(i % palette.N) for i, b in enumerate(backends)}
         fig, axes = plt.subplots(1, len(panels), figsize=(max(4.2 * len(panels), 9), 4.5), squeeze=False, sharey=True)
         for ax, (scen, past) in zip(axes[0], panels):
             rows = [r for r in (dec if scen == "decode" else gen) if past is None or r["past"] == past]
@@ -351,9 +352,11 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
                 style = dict(color="0.5", linestyle=":", marker=".", label="reading the bytes once (same rounds)") \
                     if backend == "mem-read" else dict(color=color[backend], marker="o", label=backend)
                 ax.plot([q[0] for q in pts], [q[1] for q in pts], **style)
-            ceil = sorted({(r["batch"], 1000.0 * r["batch"] / r["floor_ms"]) for r in rows if r.get("floor_ms")})
+            # fp32's floor: a quantized row has its own (fewer bytes), which would make one line zigzag
+            ceil = sorted({(r["batch"], 1000.0 * r["batch"] / r["floor_ms"]) for r in rows
+                           if r.get("floor_ms") and r.get("precision", "fp32") == "fp32"})
             if scen == "decode" and ceil:
-                ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", linewidth=1, label="ceiling: batch / floor")
+                ax.plot([c[0] for c in ceil], [c[1] for c in ceil], "k--", linewidth=1, label="fp32 ceiling: batch / floor")
             _log2_ticks(ax, {r["batch"] for r in rows})
             _log_y(ax)
             ax.set_xlabel("batch")
