@@ -35,7 +35,7 @@ token: no bandwidth to save). The tied output projection reads the same embeddin
 (MatMul(x, Transpose(wte))): MatMulNBits needs a constant B, so it gets its own quantized copy of the
 embedding, made here by folding the Transpose into an initializer before quantizing. It is the
 largest MatMul of the model (vocab x n_embd), so leaving it float32 would keep most of the decode
-bandwidth; the copy costs 0.625 (int4) / 1.0625 (int8) bytes per embedding weight beside the float32
+bandwidth; the copy costs 0.625 (int4, blocks of 32) / 1.03 (int8, blocks of 128; andrea-tiny 1.0625) bytes per embedding weight beside the float32
 table's 4 (measured on andrea-tiny: 0.34 / 0.57 MB beside 2.16 MB; the Q/DQ graphs hold one more). It
 is also where most of int4's error comes from: on the trained andrea-tiny with the head left float32,
 int4's held-out perplexity moves +0.10 % instead of +0.61 %, its top-1 agreement on random ids is 95 %
