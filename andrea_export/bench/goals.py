@@ -128,7 +128,7 @@ def _quantized_goals(doc: dict) -> list[dict]:
             "value": x, "met": (x <= target) if x is not None else None,
             "detail": (f"median of per-round t_{precision} / t_read; reading the step's bytes took "
                        f"{m['median_ms']:.2f} ms ({m['gbps']:.1f} GB/s) in those rounds") if (x and m)
-            else f"not run ({read} not in the run)",
+            else f"not run (needs ort-cpu-{precision} and {read} in the run)",
         })  # fmt: skip
     return out
 

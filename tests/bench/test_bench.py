@@ -527,27 +527,33 @@ def test_floor_read_in_the_same_rounds_gives_the_paired_goal():
     assert paired[0]["met"] is None and "B=1 P=127" in paired[0]["detail"] and "left out" in paired[0]["detail"]
 
 
+def _tiny_context(tmp_path):
+    """The run's real Context (one thread) around random andrea-tiny weights."""
+    from andrea_export.bench.backends import Context
+    from andrea_export.model.checkpoint import random_init
+
+    return Context(random_init(ANDREA_TINY, seed=0, announce=False), 1, tmp_path)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "int8", "int4"])
-def test_mem_read_reads_the_decode_step_bytes(precision):
+def test_mem_read_reads_the_decode_step_bytes(precision, tmp_path):
     """mem-read (and mem-read-int8 / -int4: a quantized step's own bytes) reads exactly the step's bytes."""
     import numpy as np
 
     from andrea_export import bench
     from andrea_export.config import ANDREA_TINY
 
-    class Ctx:
-        cfg, threads = ANDREA_TINY, 1
-
+    ctx = _tiny_context(tmp_path)
     (b,) = bench.make_backends(["mem-read" if precision == "fp32" else f"mem-read-{precision}"])
     assert b.precision == precision
-    b.setup(Ctx())
+    b.setup(ctx)
     past = [np.zeros((2, ANDREA_TINY.n_head, 9, ANDREA_TINY.head_dim), np.float32)]
     run = b.decode(np.zeros((2, 1), np.int64), np.ones((2, 10), np.int64), past)
     expected = bench.forward_bytes(ANDREA_TINY, 2, 1, 9, precision=precision) // 4
     assert float(run()) == expected  # a sum of ones over exactly the step's bytes
 
 
-def test_the_mem_read_backends_of_a_run_share_one_buffer():
+def test_the_mem_read_backends_of_a_run_share_one_buffer(tmp_path):
     """Each reader of a case holding its own buffer took 2.4 GB apiece at batch 32 past 1023 (a run with
     mem-read, -int8 and -int4 beside the peers was killed for memory): they read views of one."""
     import numpy as np
@@ -555,10 +561,7 @@ def test_the_mem_read_backends_of_a_run_share_one_buffer():
     from andrea_export import bench
     from andrea_export.config import ANDREA_TINY
 
-    class Ctx:
-        cfg, threads = ANDREA_TINY, 1
-
-    ctx, runs = Ctx(), []
+    ctx, runs = _tiny_context(tmp_path), []
     for b in bench.make_backends(["mem-read", "mem-read-int8", "mem-read-int4"]):
         b.setup(ctx)
         past = [np.zeros((2, ANDREA_TINY.n_head, 9, ANDREA_TINY.head_dim), np.float32)]

@@ -32,6 +32,14 @@ class Context:
         self.workdir = Path(workdir)
         self.quiet = quiet
         self.fingerprint = weights_fingerprint(self.model)
+        self._ones = torch.ones(0)
+
+    def ones(self, n: int) -> torch.Tensor:
+        """n float32 ones, a view of one buffer that every caller of this run shares (grown when a caller
+        needs more): the memory readers of a case each held 2.4 GB of their own at batch 32 past 1023."""
+        if self._ones.numel() < n:
+            self._ones = torch.ones(n)
+        return self._ones[:n]
 
     def cached(self, name: str, export: Callable[[Path], object]) -> Path:
         """workdir/<model>-<weights>-<exporter>/name, made by export(path) when it is not there yet."""
