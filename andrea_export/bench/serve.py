@@ -81,18 +81,23 @@ def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]
     lock = threading.Lock()
     results: list[dict | None] = [None] * len(requests)
     firsts: set[int] = set()  # each client's first request: the level's start, when all arrive at once
+    # every client takes its first request before any sends (else a thread scheduled late finds the list
+    # worked through by the others, and the level has fewer first requests than clients)
+    start = threading.Barrier(concurrency)
+
+    def next_request():
+        with lock:
+            return todo.pop(0) if todo else None
 
     def client():
-        first = True
-        while True:
-            with lock:
-                if not todo:
-                    return
-                i, (prompt, n) = todo.pop(0)
-                if first:
-                    firsts.add(i)
-            first = False
+        job = next_request()
+        if job is not None:
+            firsts.add(job[0])
+        start.wait()
+        while job is not None:
+            i, (prompt, n) = job
             results[i] = stream_one(server.host, server.ports["http"], server.model, prompt, n)
+            job = next_request()
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
