@@ -78,6 +78,14 @@ TOLERANCES = {
 # int4 has no top-1 floor: on random ids its top-1 flips at a quarter to a third of positions, and
 # verify's one-token shape is then 0 or 1 (measured 0: the floor used to be 0, which gated nothing).
 MIN_TOP1 = {"fp32": 0.999, "fp16": 0.99, "bf16": 0.95, "int8": 0.9}
+# A top-1 flip that bf16 may make: where the fp32 reference puts the artifact's token within this many
+# logits of its own, the flip counts as agreement (compare.lm_metrics' top1_beyond_ties; top1_agreement stays
+# raw in the report). bf16's arithmetic differs by CPU (AMX, AVX512-BF16, ONNX Runtime's emulation): the
+# trained tiny model through OpenVINO in bf16 on an Intel AMX machine flipped positions whose reference
+# margins were 0.0028, 0.0058 and 0.0086 logits, its logits being 0.05-0.15 off (KL <= 2e-5), and one such
+# flip in verify's 3-token shape failed the 0.95 floor. 0.05: below that measured bf16 error, far below a
+# real defect (a wrong kernel moves logits by whole units, and KL catches it). Other precisions: none.
+TOP1_TIE = {"bf16": 0.05}
 # Least top-5 overlap (the share of the reference's 5 likeliest tokens among the artifact's), for int4
 # in place of top-1. Trained andrea-tiny, verify's default shapes and seed, ONNX Runtime CPU: int4
 # 0.844 .. 1.0 (text 0.941); broken int4 graphs: nibbles swapped 0.05 .. 0.11 (0.40 on one token),
