@@ -28,6 +28,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import InputError
 from ..graphs.layout import KVLayout
+from ..graphs.two_groups import PREFIX as CHUNK
 from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
 from .base import Session, Steps
 
@@ -100,21 +101,50 @@ class OrtSession(Session):
                              "a build's CPU decoder; load the build folder with backend 'onnxruntime' on the CPU)")
         return SlotCache(self, slots)
 
+    def _two_group_session(self):
+        """An InferenceSession of this session's in-place graph made two-group (graphs/two_groups.py), with
+        this session's options, its weights read from the file's own folder (checked as every reader does)."""
+        import onnx_ir as ir
+        import onnxruntime as ort
+
+        from ..errors import AndreaExportError
+        from ..graphs.external_data import external_data_files
+        from ..graphs.two_groups import two_group_decoder
+
+        path = Path(self.source)
+        try:
+            external_data_files(path)
+            graph = ir.to_proto(two_group_decoder(ir.load(path))).SerializeToString()
+        except AndreaExportError as e:
+            raise InputError(str(e)) from None
+        mine, opts = self.session.get_session_options(), ort.SessionOptions()
+        opts.intra_op_num_threads, opts.inter_op_num_threads = mine.intra_op_num_threads, mine.inter_op_num_threads
+        opts.log_severity_level, opts.graph_optimization_level = mine.log_severity_level, mine.graph_optimization_level
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(path.parent))
+        return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
+
 
 class SlotCache:
-    """A fixed set of slots of the in-place cache, each holding one sequence: one host buffer [slots, n_head,
-    n_positions, head_dim] per layer and kind. `run(first, ids, held)` runs the rows `first` .. `first +
-    len(ids) - 1` in one call, binding that part of every buffer (batch is the leading axis, so a run of
-    consecutive slots is one contiguous block) as both past and present by pointer: a slot's prompt can be
-    prefilled, in chunks, while the others hold their sequences, and a decode step runs every slot at once.
-    A chunked prefill and a decode beside other slots give the same logits, bit for bit, as one sequence
-    alone (measured on ONNX Runtime 1.32's CPU GroupQueryAttention; the batcher's tests hold it to that)."""
+    """A fixed set of slots of the in-place cache, each holding one sequence, for in-flight batching: one host
+    buffer [slots, n_head, n_positions, head_dim] per layer and kind, run through the owner's session or,
+    when the decoding rows and a joining prompt's chunk share a step, through a session of its own on the
+    two-group graph (graphs/two_groups.py), which reads every weight once for both.
+
+    `run(group, [chunk])`: a group is (first, ids, held): the slots `first` .. `first + len(ids) - 1`, their
+    new tokens `ids` [rows, T] (right-padded) and the tokens each holds after the run. Batch is the leading
+    axis, so a group's slots are one contiguous block of every buffer, bound as both past and present by
+    pointer. A lone group runs on the one-group graph: the two-group graph costs a step of 1-16 rows
+    2-7 ms more (ANDREA-120M fp32, 2 cores; its other group cannot be empty: ONNX Runtime's CPU
+    GroupQueryAttention dies on a batch of 0). A sequence's logits are the same, bit for bit, whatever shares
+    its run (fp32 on ONNX Runtime 1.32's CPU kernels; the batcher's tests hold it to that; MatMulNBits
+    graphs agree to rounding, their sums following the run's row count as they did before)."""
 
     def __init__(self, owner: OrtSession, slots: int):
         if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= 256:
             raise InputError(f"slots must be an integer in 1..256, got {slots!r}")
         L = owner.layout
         self.owner, self.layout, self.slots = owner, L, slots
+        self.two_groups = owner._two_group_session()
         shape = (slots, L.n_head, L.n_positions, L.head_dim)
         # Written now, so that the pages are the process's from the start: its memory is known when it
         # starts serving, and no request pays for first touches (left untouched, the first runs into fresh
@@ -124,25 +154,56 @@ class SlotCache:
             buffer.fill(0)  # not np.zeros: its pages stay the kernel's until first written
         self.slot_bytes = self.buffers[0][0].nbytes
 
-    def run(self, first: int, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
-        """`ids` [rows, T] (right-padded), each row holding `held` tokens after this run -> logits [rows, T, vocab]."""
-        session, L = self.owner.session, self.layout
+    def run(self, group: tuple, chunk: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]:
+        """One run of `group` and, beside it, `chunk` (each (first, ids, held), see the class) -> the logits
+        [rows, T, vocab] of each (None for no chunk). Where the two share a slot, one of them must be a pad
+        whose write lies past every position the other holds (the batcher's decoding rows give a slot whose
+        prompt is in the chunk a pad at the context's last position)."""
+        session = self.owner.session if chunk is None else self.two_groups
         if session is None:
             raise InputError(f"{self.owner.source}: this session is closed; load a new one")
-        rows = ids.shape[0]
-        if not (0 <= first and first + rows <= self.slots and held.shape == (rows,) and held.min() >= ids.shape[1]
-                and held.max() <= L.n_positions):
-            raise ValueError(f"run: rows {first}..{first + rows - 1} of {self.slots} slots, T {ids.shape[1]}, held {held}")
+        for g in (group, chunk) if chunk is not None else (group,):
+            self._check(*g)
         binding = session.io_binding()
-        logits = _bind_step(binding, ids, held, L.vocab_size)
-        shape = [rows, L.n_head, L.n_positions, L.head_dim]
+        logits = self._bind(binding, "", *group)
+        if chunk is None:
+            session.run_with_iobinding(binding)
+            return logits, None
+        _check_apart(group, chunk)
+        chunk_logits = self._bind(binding, CHUNK, *chunk)
+        session.run_with_iobinding(binding)
+        return logits, chunk_logits
+
+    def close(self) -> None:
+        """Let go of the two-group session (the owner's stays the owner's)."""
+        self.two_groups = None
+
+    def _check(self, first: int, ids: np.ndarray, held: np.ndarray) -> None:
+        rows = ids.shape[0]
+        if not (0 <= first and rows >= 1 and first + rows <= self.slots and held.shape == (rows,)
+                and held.min() >= ids.shape[1] and held.max() <= self.layout.n_positions):
+            raise ValueError(f"run: rows {first}..{first + rows - 1} of {self.slots} slots, T {ids.shape[1]}, held {held}")
+
+    def _bind(self, binding, prefix: str, first: int, ids: np.ndarray, held: np.ndarray) -> np.ndarray:
+        L = self.layout
+        logits = _bind_step(binding, ids, held, L.vocab_size, prefix)
+        shape = [ids.shape[0], L.n_head, L.n_positions, L.head_dim]
         dtype = np.dtype(L.cache_dtype).type
         for past, present, buffer in zip(L.past_names, L.present_names, self.buffers):
             ptr = buffer.ctypes.data + first * self.slot_bytes
-            binding.bind_input(past, "cpu", 0, dtype, shape, ptr)
-            binding.bind_output(present, "cpu", 0, dtype, shape, ptr)
-        session.run_with_iobinding(binding)
+            binding.bind_input(prefix + past, "cpu", 0, dtype, shape, ptr)
+            binding.bind_output(prefix + present, "cpu", 0, dtype, shape, ptr)
         return logits
+
+
+def _check_apart(a: tuple, b: tuple) -> None:
+    """Two groups of one run may share a slot only where one of them writes a pad past all the other holds:
+    else one would overwrite the other's keys and values."""
+    (fa, ida, ha), (fb, idb, hb) = a, b
+    for slot in set(range(fa, fa + len(ida))) & set(range(fb, fb + len(idb))):
+        held_a, held_b = int(ha[slot - fa]), int(hb[slot - fb])
+        if not (held_a - ida.shape[1] >= held_b or held_b - idb.shape[1] >= held_a):
+            raise ValueError(f"run: slot {slot} is written by both groups (held {held_a} and {held_b})")
 
 
 class _OrtSteps(Steps):
@@ -227,14 +288,14 @@ class _InplaceSteps(Steps):
         return logits
 
 
-def _bind_step(binding, ids: np.ndarray, held: np.ndarray, vocab_size: int) -> np.ndarray:
+def _bind_step(binding, ids: np.ndarray, held: np.ndarray, vocab_size: int, prefix: str = "") -> np.ndarray:
     """Bind an in-place step's ids [B, T] (right-padded) and mask (each row holds `held` tokens after it) as
     inputs (rebinding a name replaces its previous array) and a fresh logits array as the output, which
-    ONNX Runtime writes; returns that array."""
+    ONNX Runtime writes; returns that array. `prefix`: the two-group graph's second group's names."""
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     mask = (np.arange(held.max())[None, :] < held[:, None]).astype(np.int64)
     logits = np.empty((*ids.shape, vocab_size), dtype=np.float32)
-    binding.bind_cpu_input(INPUT_IDS, ids)
-    binding.bind_cpu_input(ATTENTION_MASK, mask)
-    binding.bind_output(LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
+    binding.bind_cpu_input(prefix + INPUT_IDS, ids)
+    binding.bind_cpu_input(prefix + ATTENTION_MASK, mask)
+    binding.bind_output(prefix + LOGITS, "cpu", element_type=np.float32, shape=logits.shape, buffer_ptr=logits.ctypes.data)
     return logits

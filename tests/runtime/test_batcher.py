@@ -190,18 +190,18 @@ def test_whole_request_batching_admits_only_into_an_idle_batch(session):
     assert long.tokens == session.generate([1, 2, 3], 100) and short.tokens == session.generate([4, 5], 3)
 
 
-def test_a_step_prefills_with_one_run_at_most(session):
-    """Four short prompts arrive together: each step prefills one of them (one run, oldest first), not all
-    four in four runs before the decode run (each run pays for reading every weight), and the tokens are
-    still those of generate alone."""
+def test_a_joining_prompt_shares_the_decoding_rows_run(session):
+    """Four short prompts arrive together: each step is one run, which carries the decoding rows and at
+    most one prompt's chunk (each run pays for reading every weight, so a chunk rides along with the
+    decode instead of a run of its own), and the tokens are still those of generate alone."""
     requests = [Request([1 + i, 2, 3], 6) for i in range(4)]
     got = [Collector() for _ in requests]
     with Batcher(session, slots=4, prefill_chunk=64) as b:
         real, runs = b.cache.run, []
 
-        def counted(first, ids, held):
-            runs.append("prefill" if ids.shape[1] > 1 else "decode")  # the prompts are 3 tokens
-            return real(first, ids, held)
+        def counted(group, chunk=None):
+            runs.append((group[1].shape[1] == 1, chunk is not None))  # (decoding rows, a chunk)
+            return real(group, chunk)
 
         b.cache.run = counted
         with b._wake:  # hold the engine until all four wait, so that they arrive in one step
@@ -209,7 +209,9 @@ def test_a_step_prefills_with_one_run_at_most(session):
                 b.submit(r, c)
         assert all(c.done.wait(30) for c in got)
     assert [c.tokens for c in got] == [session.generate(list(r.prompt_ids), 6) for r in requests]
-    assert "prefill,prefill" not in ",".join(runs), runs
+    assert runs[0] == (False, False)  # the first prompt alone: its chunk is the run's only group
+    assert runs.count((True, True)) == 3, runs  # the other three joined a decoding run each
+    assert b.steps == len(runs) - 1
 
 
 def test_the_slot_cache_commits_its_memory_when_made(session):
