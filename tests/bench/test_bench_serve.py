@@ -64,3 +64,25 @@ def test_every_client_holds_its_first_request_before_any_streams(monkeypatch):
     assert level["requests"] == 8 and level["errors"] == 0 and level["latency_requests"] == 4
     level = bench_serve.run_level(server, 4, [([1, 2], 2)] * 3)  # more clients than requests: none waits forever
     assert level["requests"] == 3 and level["latency_requests"] == 3  # all three are first requests: kept
+    assert level["full_s"] == level["wall_s"]  # never were four streaming: the level's own rate
+
+
+def test_throughput_is_taken_while_every_client_streams(monkeypatch):
+    """Two clients, three requests: one client's second request runs alone at the end (the level's tail).
+    The streaming rate counts the tokens until the first client ran out of requests, over that time; the
+    level's rate averages the lone tail in. Streams here: 10 tokens 10 ms apart; the third runs alone."""
+    import types
+
+    def stream(host, port, model, prompt, n):
+        time.sleep(0.01 * n)
+        return {"error": None, "times": [0.01 * (k + 1) for k in range(n)]}
+
+    monkeypatch.setattr(bench_serve, "stream_one", stream)
+    monkeypatch.setattr(bench_serve, "server_rss", lambda pid: 2**20)
+    server = types.SimpleNamespace(host="127.0.0.1", ports={"http": 0}, model="m", process=types.SimpleNamespace(pid=0))
+    level = bench_serve.run_level(server, 2, [([1], 10), ([1], 10), ([1], 10)])
+    assert level["tokens"] == 30
+    assert level["full_s"] == pytest.approx(0.1, abs=0.05)  # both first requests end; one client finds none left
+    assert level["tokens_per_s_full"] == pytest.approx(200, rel=0.35)  # two streams of 100 tokens/s
+    assert level["tokens_per_s"] == pytest.approx(150, rel=0.35)  # the tail at one stream's rate
+    assert bench_serve.streaming_rate(level) == level["tokens_per_s_full"]
