@@ -19,9 +19,9 @@ One engine thread owns a SlotCache (ort.py: the in-place cache, one slot per seq
        others (free, or part-way through their prompt) feed a pad token that writes the position after what
        they hold, which their next real write overwrites and nothing reads (the slot whose chunk is in this
        run writes its pad at the context's last position instead, clear of its chunk);
-     A step with a chunk used to cost two runs; one costs 67 ms against 89 with 16 rows decoding and a
-     chunk of 8 tokens (ANDREA-120M fp32, 2 cores, Intel Xeon; decode alone 51-58 ms).
-  5. each decoding slot samples its token with its own settings and generator, and leaves when it stops.
+     a step with a chunk used to cost two runs: 16 rows decoding and a chunk of 8 tokens take 66-68 ms in
+     one against 86-92 in two (ANDREA-120M fp32, 2 cores, Intel Xeon; decode alone 51-58 ms);
+  4. each decoding slot samples its token with its own settings and generator, and leaves when it stops.
 
 A request's tokens are exactly those of `Session.generate` run alone with the same settings and seed: the
 slot cache's runs give a sequence the same logits, bit for bit, whatever shares the step (tests hold it),
@@ -183,9 +183,9 @@ class Batcher:
             n = min(self.prefill_chunk, len(s.row.prompt) - s.fed)
             chunk = (joining, np.asarray([s.row.prompt[s.fed:s.fed + n]]), np.asarray([s.fed + n]))
         decoding = [i for i, s in enumerate(self.slots) if s is not None and s.last is not None]
-        rows = max(decoding) + 1 if decoding else 0
         group = None
         if decoding:
+            rows = max(decoding) + 1
             ids = np.full((rows, 1), PAD_ID, dtype=np.int64)
             held = np.ones(rows, dtype=np.int64)
             for i in range(rows):

@@ -134,7 +134,7 @@ class SlotCache:
     new tokens `ids` [rows, T] (right-padded) and the tokens each holds after the run. Batch is the leading
     axis, so a group's slots are one contiguous block of every buffer, bound as both past and present by
     pointer. A lone group runs on the one-group graph: the two-group graph costs a step of 1-16 rows
-    2-7 ms more (ANDREA-120M fp32, 2 cores; its other group cannot be empty: ONNX Runtime's CPU
+    2-8 ms more (ANDREA-120M fp32, 2 cores; its other group cannot be empty: ONNX Runtime's CPU
     GroupQueryAttention dies on a batch of 0). A sequence's logits are the same, bit for bit, whatever shares
     its run (fp32 on ONNX Runtime 1.32's CPU kernels; the batcher's tests hold it to that; MatMulNBits
     graphs agree to rounding, their sums following the run's row count as they did before)."""
