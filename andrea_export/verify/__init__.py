@@ -9,5 +9,5 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
                 "verify"],
     "agreement": ["greedy_agreement", "verify_decoder"],
     "folder": ["verify_folder"],
-    "thresholds": ["MAX_KL", "MAX_PPL_REL", "MIN_TOP1", "MIN_TOP5", "TOLERANCES", "TOP1_TIE"],
+    "thresholds": ["MAX_KL", "MAX_PPL_REL", "MIN_TOP1", "MIN_TOP5", "TOLERANCES", "TOP1_TIE", "TOP5_TIE"],
 })

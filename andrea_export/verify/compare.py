@@ -145,25 +145,30 @@ class VerifyReport:
 
 def lm_thresholds(precision: str) -> dict:
     """The next-token thresholds of `precision` (thresholds.py): max_kl, and min_top1 (with its top1_tie, where
-    the precision has one) or (int4) min_top5."""
-    from .thresholds import MAX_KL, MIN_TOP1, MIN_TOP5, TOP1_TIE
+    the precision has one) or (int4) min_top5 (with its top5_tie)."""
+    from .thresholds import MAX_KL, MIN_TOP1, MIN_TOP5, TOP1_TIE, TOP5_TIE
 
     floor = {"min_top1": MIN_TOP1[precision]} if precision in MIN_TOP1 else {"min_top5": MIN_TOP5[precision]}
     if precision in TOP1_TIE:
         floor["top1_tie"] = TOP1_TIE[precision]
+    if precision in TOP5_TIE:
+        floor["top5_tie"] = TOP5_TIE[precision]
     return {**floor, "max_kl": MAX_KL[precision]}
 
 
 def lm_passed(lm: dict, thresholds: dict) -> bool:
-    """Whether `lm` (lm_metrics, computed with the thresholds' top1_tie) meets `thresholds` (lm_thresholds)."""
+    """Whether `lm` (lm_metrics, computed with the thresholds' ties) meets `thresholds` (lm_thresholds)."""
     return (lm.get("top1_beyond_ties", lm["top1_agreement"]) >= thresholds.get("min_top1", 0.0)
-            and lm["top5_overlap"] >= thresholds.get("min_top5", 0.0) and lm["max_kl"] <= thresholds["max_kl"])
+            and lm.get("top5_beyond_ties", lm["top5_overlap"]) >= thresholds.get("min_top5", 0.0)
+            and lm["max_kl"] <= thresholds["max_kl"])
 
 
-def lm_metrics(ref: np.ndarray, out: np.ndarray, tie: float = 0.0) -> dict:
+def lm_metrics(ref: np.ndarray, out: np.ndarray, tie: float = 0.0, top5_tie: float = 0.0) -> dict:
     """Top-1 / top-5 agreement and KL(ref || out) of next-token distributions over all positions;
     top1_beyond_ties: top-1 agreement where a position whose tokens differ but whose reference puts the
-    artifact's token within `tie` logits of its own counts as agreeing (a tie the precision cannot resolve)."""
+    artifact's token within `tie` logits of its own counts as agreeing (a tie the precision cannot resolve);
+    top5_beyond_ties: top-5 overlap where a reference top-5 token the artifact dropped counts as kept when the
+    reference puts it within `top5_tie` logits of the artifact's lowest pick."""
     ref = torch.from_numpy(ref.astype(np.float64)).flatten(0, -2)
     out = torch.from_numpy(out.astype(np.float64)).flatten(0, -2)
     want, got = ref.argmax(-1), out.argmax(-1)
@@ -171,10 +176,14 @@ def lm_metrics(ref: np.ndarray, out: np.ndarray, tie: float = 0.0) -> dict:
     lead = ref.gather(-1, want[:, None]) - ref.gather(-1, got[:, None])  # the reference's margin over the pick
     beyond = ((want == got) | (lead[:, 0] <= tie)).double().mean().item()
     r5, o5 = ref.topk(5, dim=-1).indices, out.topk(5, dim=-1).indices
-    top5 = ((r5[:, :, None] == o5[:, None, :]).any(-1).double().mean()).item()  # share of the top-5 sets
+    kept = (r5[:, :, None] == o5[:, None, :]).any(-1)  # each reference top-5 token: among the artifact's?
+    top5 = kept.double().mean().item()  # share of the top-5 sets
+    lowest = ref.gather(-1, o5).min(-1, keepdim=True).values  # the artifact's lowest pick, by the reference
+    top5_beyond = (kept | (ref.gather(-1, r5) - lowest <= top5_tie)).double().mean().item()
     lp, lq = ref.log_softmax(-1), out.log_softmax(-1)
     kl = (lp.exp() * (lp - lq)).sum(-1)
-    return {"top1_agreement": top1, "top1_beyond_ties": beyond, "top5_overlap": top5, "max_kl": kl.max().item(),
+    return {"top1_agreement": top1, "top1_beyond_ties": beyond, "top5_overlap": top5,
+            "top5_beyond_ties": top5_beyond, "max_kl": kl.max().item(),
             "mean_kl": kl.mean().item()}
 
 
@@ -273,7 +282,7 @@ def verify(
         for it, shape in enumerate(shapes):
             ocr = accuracy[(ref_name, name)][it][OUTPUT_NAME]
             lm = lm_metrics(results[ref_name][it][OUTPUT_NAME], results[name][it][OUTPUT_NAME],
-                            tie=lm_tol.get("top1_tie", 0.0))
+                            tie=lm_tol.get("top1_tie", 0.0), top5_tie=lm_tol.get("top5_tie", 0.0))
             lm_ok = lm_passed(lm, lm_tol)
             per_shape.append({
                 "shape": list(shape), "passed": bool(ocr) and lm_ok, "logits_within_tolerance": bool(ocr),

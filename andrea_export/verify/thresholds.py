@@ -92,6 +92,15 @@ TOP1_TIE = {"bf16": 0.05}
 # one layer's nibbles swapped 0.53 .. 0.63, scales doubled 0.48 .. 0.78. 0.6 lets int4 miss 2.5x the
 # share it misses and fails the first two at every shape of more than one token (KL fails them too).
 MIN_TOP5 = {"int4": 0.6}
+# A top-5 miss that int4 may make: where the reference puts the token int4 dropped from its top 5 within this
+# many logits of int4's lowest pick (by the reference's own logits), the miss counts as agreement
+# (compare.lm_metrics' top5_beyond_ties; top5_overlap stays raw in the report). Random weights give a nearly
+# flat distribution: on the random ANDREA-120M (blocks of 128, verify's shapes) the reference's 5th and 6th
+# tokens are 0.023 logits apart (median) and int4's logits 0.13 off (mean; max 0.85), so int4 swapped 42 % of
+# the top-5 tokens and the default `build --precision int4` failed 0.6 with max KL 0.02. Forgiven at
+# ties of 0.1 / 0.25 / 0.5: 0.61 / 0.77 / 0.98 of them. 0.25: under int4's measured error, far under a broken
+# graph's (its logits move by whole units; the trained model's raw top-5 >= 0.84 is what it was).
+TOP5_TIE = {"int4": 0.25}
 # Largest KL(reference || artifact) of a next-token distribution, in nats, over all positions: the
 # trained models' worst above times >= 7, int8 and int4 >= 3.3 (random weights: fp32 3e-13, fp16 3e-9,
 # bf16 7e-7). A wrong kernel gives 1e-1 and up; a broken int4 graph 3.5 and up. int8 and int4 were 3e-3

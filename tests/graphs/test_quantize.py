@@ -266,6 +266,7 @@ def test_the_int4_next_token_floor_passes_int4_and_fails_a_broken_int4(lively_mo
         ids = rng.integers(0, lively_model.cfg.vocab_size, size=shape, dtype=np.int64)
         with torch.no_grad():
             ref = lively_model(torch.from_numpy(ids)).numpy()
-        assert lm_passed(lm_metrics(ref, _run(good, ids)), lm_thresholds("int4")), shape
+        tie = lm_thresholds("int4")["top5_tie"]  # the near-ties int4 is forgiven do not hide a broken graph
+        assert lm_passed(lm_metrics(ref, _run(good, ids), top5_tie=tie), lm_thresholds("int4")), shape
         if shape[1] > 1:
-            assert not lm_passed(lm_metrics(ref, _run(broken, ids)), floor), shape
+            assert not lm_passed(lm_metrics(ref, _run(broken, ids), top5_tie=tie), floor), shape
