@@ -481,11 +481,17 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Most prompt tokens prefilled per step (one run: the oldest joining prompt's next chunk). "
                    "Smaller keeps the running streams' gaps shorter, larger gives first tokens sooner.")
+@click.option("--step-tokens", type=click.IntRange(2), default=None,
+              help="A budget of tokens per step while streams decode (as vLLM's max_num_batched_tokens): the "
+                   "decoding rows first, the joining prompt's chunk the rest (at least 8). Evens out the "
+                   "streams' gaps at the cost of first tokens; must exceed --max-batch. [default: none, "
+                   "chunks of --prefill-chunk]")
 @click.option("--env", "env", type=click.Path(path_type=Path), default=None,
               help="The serving environment (a venv with nvidia-pytriton, numpy < 2). [default: "
                    "$ANDREA_EXPORT_SERVE_ENV, else ./.venv-serve, made by `make serve-env`]")
 @_user_errors
-def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_openai, slots, prefill_chunk, env):
+def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_openai, slots, prefill_chunk, step_tokens,
+          env):
     """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
     streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
     front. Ctrl-C or SIGTERM stops accepting, finishes the requests in flight, and exits 0.
@@ -503,7 +509,8 @@ def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_o
 
     with step(f"Starting Triton Inference Server on {build_dir} (waiting for the model to be READY)"):
         server = start(build_dir, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                       openai_port=None if no_openai else openai_port, slots=slots, prefill_chunk=prefill_chunk, env=env)
+                       openai_port=None if no_openai else openai_port, slots=slots, prefill_chunk=prefill_chunk,
+                       step_tokens=step_tokens, env=env)
     for kind, url in server.endpoints().items():
         console.print(f"  {kind:16s} {url}", markup=False, highlight=False)
     example = json.dumps({"input_ids": [1, 2, 3], "max_tokens": 16})
@@ -604,9 +611,12 @@ def train_demo(out, seed, steps, threads):
 @click.option("--serve-load", type=click.Choice(["auto", "aiperf", "own"]), default="auto", show_default=True,
               help="The load generator: NVIDIA's aiperf (make bench-env), our own streaming client, or aiperf when "
                    "found. On a 2-core machine aiperf's processes take the cores the server needs: use own there.")
+@click.option("--serve-step-tokens", type=click.IntRange(17), default=None,
+              help="The servers' --step-tokens (their 16 slots decode first); default: none.")
 @_user_errors
 def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, generate_grid,
-          trt_engines, out, spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak, serve_load):
+          trt_engines, out, spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak, serve_load,
+          serve_step_tokens):
     """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
     the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
 
@@ -628,7 +638,8 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
                                      param_hint="--serve-levels") from None
         if not levels or min(levels) < 1:
             raise click.BadParameter("at least one client count, each >= 1", param_hint="--serve-levels")
-        run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, load=serve_load, out=out)
+        run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, load=serve_load,
+                            step_tokens=serve_step_tokens, out=out)
         click.echo(f"report: {out / 'serve.md'}; serve.json and serve.png beside it")
         return
     if compare:

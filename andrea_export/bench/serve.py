@@ -239,7 +239,7 @@ def server_rss(pid: int) -> int:
 
 
 def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] = LEVELS, modes: Sequence[str] = MODES,
-                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 64, soak: int = 0,
+                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 64, step_tokens: int | None = None, soak: int = 0,
                         lengths: tuple[int, int] = (16, 128), load: str = "auto", out: str | Path | None = None,
                         env=None, log=print) -> dict:
     """Every build x mode x level; prompt and output lengths in `lengths` (tokens); `load`: "aiperf", "own"
@@ -255,7 +255,8 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
     if load == "aiperf" and aiperf is None:
         raise RuntimeError(f"aiperf not found (make bench-env, or set ${AIPERF_VAR})")
     doc: dict = {"environment": environment(), "settings": {"levels": list(levels), "modes": list(modes), "slots": slots,
-                                                             "prefill_chunk": prefill_chunk, "per_client": per_client,
+                                                             "prefill_chunk": prefill_chunk, "step_tokens": step_tokens,
+                                                             "per_client": per_client,
                                                              "lengths": list(lengths),
                                                              "load": "aiperf " + aiperf if aiperf else "own client"},
                  "runs": []}
@@ -274,6 +275,7 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
         for mode in modes:
             with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0 if aiperf else None,
                        slots=1 if mode == "serial" else slots, prefill_chunk=prefill_chunk,
+                       step_tokens=step_tokens if mode != "serial" else None,
                        admit="whole" if mode == "whole" else "in-flight", env=env) as server:
                 run_level(server, 2, make_requests(4, vocab, (8, 32), (8, 16), seed=99))  # warm-up
                 for c in levels:

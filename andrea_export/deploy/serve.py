@@ -132,7 +132,7 @@ class Server:
 
 def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, openai_port: int | None = None, slots: int = 8, prefill_chunk: int = 64,
-          admit: str = "in-flight", env: str | Path | None = None, ready_timeout: float = 180,
+          step_tokens: int | None = None, admit: str = "in-flight", env: str | Path | None = None, ready_timeout: float = 180,
           exit_timeout: int = 30) -> Server:
     """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY
     (ServeError with the server's log when it does not get there). Port 0: a free one."""
@@ -141,7 +141,7 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
     workspace = Path(tempfile.mkdtemp(prefix="andrea-serve-"))
     try:
         model = write_generate_model(build_dir, workspace / "models", slots=slots, prefill_chunk=prefill_chunk,
-                                     admit=admit, in_place=True).name
+                                     step_tokens=step_tokens, admit=admit, in_place=True).name
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise

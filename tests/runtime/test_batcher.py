@@ -214,6 +214,39 @@ def test_a_joining_prompt_shares_the_decoding_rows_run(session):
     assert b.steps == len(runs) - 1
 
 
+def test_a_step_budget_shrinks_the_chunk_beside_decoding_rows_only(session):
+    """step_tokens: the decoding rows first, the joining prompt's chunk gets the rest of the budget (at least
+    MIN_CHUNK), so a long prompt stalls the running streams less; a prompt with no stream decoding beside it
+    still takes whole prefill chunks. Tokens stay those of generate alone."""
+    from andrea_export.runtime.batcher import MIN_CHUNK
+
+    first, second = Request([3] * 50, 30), Request(list(range(1, 41)), 4)
+    got = [Collector(), Collector()]
+    with Batcher(session, slots=4, prefill_chunk=32, step_tokens=14) as b:
+        real, runs = b.cache.run, []
+
+        def counted(group, chunk=None):
+            rows = group[1].shape[0] if group[1].shape[1] == 1 else 0
+            runs.append((rows, (chunk or group)[1].shape[1] if chunk or not rows else 0))  # (decoding rows, chunk)
+            return real(group, chunk)
+
+        b.cache.run = counted
+
+        def first_then_second(e):  # the second arrives with the first's first token: it joins a decoding step
+            if not got[0].tokens:
+                b.submit(second, got[1])
+            got[0](e)
+
+        b.submit(first, first_then_second)
+        assert all(c.done.wait(30) for c in got)
+    assert [c.tokens for c in got] == [session.generate(list(r.prompt_ids), r.max_new_tokens) for r in (first, second)]
+    assert runs[:2] == [(0, 32), (0, 18)]  # alone: whole chunks
+    joined = [n for rows, n in runs[2:] if n]
+    assert sum(joined) == 40 and max(joined) <= 14 - 1 and min(joined) >= min(MIN_CHUNK, 40 % 13), runs
+    with pytest.raises(ValueError, match="step_tokens"):
+        Batcher(session, slots=2, step_tokens=0)
+
+
 def test_the_slot_cache_commits_its_memory_when_made(session):
     """The slot cache's pages are written when it is made, so the server's memory is known at start and no
     request pays for first touches later (unwritten, the first runs into fresh slots took 160-330 ms against

@@ -42,7 +42,7 @@ from andrea_export.deploy.triton.served import TritonPythonModel  # noqa: F401
 
 @reading_build
 def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, slots: int = 8,
-                         prefill_chunk: int = 64, instances: int = 1, overwrite: bool = False, allow_failed: bool = False,
+                         prefill_chunk: int = 64, step_tokens: int | None = None, instances: int = 1, overwrite: bool = False, allow_failed: bool = False,
                          hardlink: bool = True, in_place: bool = False, admit: str = "in-flight", manifest: dict) -> Path:
     """Write REPO/<name> (default `<model>-<precision>-generate`) from the build folder; returns the model folder.
     `in_place`: the model reads the build folder where it is (its absolute path in the config's parameters)
@@ -56,6 +56,9 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
                            "fp16, int8 or int4 with the decoder")
     if not 1 <= slots <= 256 or not 1 <= prefill_chunk <= manifest["model"]["n_positions"]:
         raise PackageError(f"slots must be 1..256 and prefill_chunk 1..n_positions, got {slots} and {prefill_chunk}")
+    if step_tokens is not None and not slots < step_tokens <= slots + manifest["model"]["n_positions"]:
+        raise PackageError(f"step_tokens must be more than slots ({slots}: the decoding rows come first) and at most "
+                           f"slots + n_positions, got {step_tokens}")
     roles = ["decoder_onnx_inplace"] + [r for r in ("tokenizer", "tokenizer_config") if r in have]
     if changed := changed_artifacts(build_dir, {"artifacts": {r: have[r] for r in roles}}):
         raise PackageError(f"{build_dir}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
@@ -75,6 +78,8 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
         raise PackageError(f"admit must be one of {', '.join(ADMIT)}, got {admit!r}")
     for key, value in (("slots", slots), ("prefill_chunk", prefill_chunk), ("admit", admit)):
         cfg.parameters[key].string_value = str(value)
+    if step_tokens is not None:
+        cfg.parameters["step_tokens"].string_value = str(step_tokens)
     if in_place:
         cfg.parameters["build_dir"].string_value = str(build_dir.resolve())
 

@@ -102,11 +102,13 @@ class TritonPythonModel:
             self.tokenizer = Tokenizer.from_file(str(tok))
         slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "64"))
         admit = params.get("admit", "in-flight")
-        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk, admit=admit)
+        budget = int(params["step_tokens"]) if "step_tokens" in params else None
+        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk, admit=admit, step_tokens=budget)
         cfg = self.session.cfg
         pb_utils.Logger.log_info(
             f"andrea generate model '{args['model_name']}': {cfg.name} ({cfg.n_layer} layers, context "
-            f"{cfg.n_positions}) from {build}, {admit} batching over {slots} slots, prefill chunk {chunk}, "
+            f"{cfg.n_positions}) from {build}, {admit} batching over {slots} slots, prefill chunk {chunk}"
+            f"{f', at most {budget} tokens a step' if budget else ''}, "
             f"tokenizer {'yes' if self.tokenizer else 'no (input_ids only)'}")
 
     def execute(self, requests):
