@@ -102,9 +102,7 @@ class Batcher:
 
     def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 64, admit: str = "in-flight",
                  step_tokens: int | None = None):
-        for name, value in (("prefill_chunk", prefill_chunk), ("step_tokens", step_tokens)):
-            if value is None and name == "step_tokens":
-                continue
+        for name, value in (("prefill_chunk", prefill_chunk), ("step_tokens", 1 if step_tokens is None else step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.step_tokens = step_tokens

@@ -428,3 +428,17 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except OSError:
         return False
+
+
+def test_a_step_budget_is_written_to_the_generate_model_and_checked(demo_build, tmp_path):
+    """--step-tokens reaches the model through its config's parameters; a budget the decoding rows alone would
+    take up (no more than the slots) is refused naming the field."""
+    from andrea_export.deploy.triton.generate import write_generate_model
+    from andrea_export.errors import PackageError
+
+    with pytest.raises(PackageError, match="step_tokens must be more than slots"):
+        write_generate_model(demo_build, tmp_path / "a", slots=4, step_tokens=4)
+    model = write_generate_model(demo_build, tmp_path / "b", slots=4, step_tokens=20)
+    config = (model / "config.pbtxt").read_text()
+    assert 'key: "step_tokens"' in config and 'string_value: "20"' in config
+    assert "step_tokens" not in (write_generate_model(demo_build, tmp_path / "c", slots=4) / "config.pbtxt").read_text()

@@ -42,7 +42,8 @@ from andrea_export.deploy.triton.served import TritonPythonModel  # noqa: F401
 
 @reading_build
 def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, slots: int = 8,
-                         prefill_chunk: int = 64, step_tokens: int | None = None, instances: int = 1, overwrite: bool = False, allow_failed: bool = False,
+                         prefill_chunk: int = 64, step_tokens: int | None = None, instances: int = 1,
+                         overwrite: bool = False, allow_failed: bool = False,
                          hardlink: bool = True, in_place: bool = False, admit: str = "in-flight", manifest: dict) -> Path:
     """Write REPO/<name> (default `<model>-<precision>-generate`) from the build folder; returns the model folder.
     `in_place`: the model reads the build folder where it is (its absolute path in the config's parameters)
