@@ -24,6 +24,7 @@ def test_the_serve_benchmark_runs_levels_and_modes_and_writes_its_report(lively_
     for r in runs.values():
         assert r["errors"] == 0 and r["tokens"] > 0 and r["rss_mb"] > 10 and r["ttft_ms"]["p50"] > 0
     assert runs["in-flight", 4]["requests"] == 8 and doc["settings"]["load"] == "own client"
+    assert runs["in-flight", 1]["again_tokens_per_s"] > 0 and "again_tokens_per_s" not in runs["in-flight", 4]
     # latencies without each client's first request (the start's burst); the burst's TTFT kept beside
     assert runs["in-flight", 4]["latency_requests"] == 4 and runs["in-flight", 1]["latency_requests"] == 7
     assert runs["in-flight", 4]["ttft_all_ms"]["p99"] >= runs["in-flight", 4]["ttft_ms"]["p50"] > 0
@@ -106,3 +107,16 @@ def test_the_first_token_goal_is_against_a_lone_prefill_of_the_longest_prompt_pl
     assert reference["value"] == pytest.approx(290 / 40) and reference["met"] is None
     doc["runs"][1]["ttft_ms"]["p99"] = 310.0
     assert not next(g for g in bench_serve.serve_goals(doc) if "lone prefill" in g["goal"])["met"]
+
+
+def test_one_streams_base_is_taken_before_and_after_the_other_levels():
+    """This VM's speed drifts within minutes; each level's "x one stream" divides by the mean of one stream's
+    rate before and after the other levels (again_tokens_per_s), and a run without the second takes the first."""
+    def run(c, rate, **extra):
+        return {"build": "b", "mode": "in-flight", "concurrency": c, "tokens_per_s": rate,
+                "ttft_ms": {"p50": 1.0, "p99": 1.0}, "itl_ms": {"p50": 1.0, "p99": 1.0}, **extra}
+
+    doc = {"runs": [run(1, 100.0, again_tokens_per_s=60.0), run(8, 280.0)]}
+    assert bench_serve.one_stream_rate(doc["runs"][0]) == 80.0
+    assert next(g for g in bench_serve.serve_goals(doc) if "8 streams" in g["goal"])["value"] == 3.5
+    assert bench_serve.one_stream_rate(run(1, 100.0)) == 100.0
