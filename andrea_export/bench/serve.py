@@ -239,9 +239,9 @@ def server_rss(pid: int) -> int:
 
 
 def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] = LEVELS, modes: Sequence[str] = MODES,
-                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 64, step_tokens: int | None = None, soak: int = 0,
-                        lengths: tuple[int, int] = (16, 128), load: str = "auto", out: str | Path | None = None,
-                        env=None, log=print) -> dict:
+                        per_client: int = 3, slots: int = 16, prefill_chunk: int = 64,
+                        step_tokens: int | None = None, soak: int = 0, lengths: tuple[int, int] = (16, 128),
+                        load: str = "auto", out: str | Path | None = None, env=None, log=print) -> dict:
     """Every build x mode x level; prompt and output lengths in `lengths` (tokens); `load`: "aiperf", "own"
     or "auto" (aiperf when found). `soak` > 0: that many short requests at the top level on the first build
     (in-flight), with memory after the first 100 and at the end. Writes serve.json, serve.md and serve.png
@@ -375,8 +375,8 @@ def write_serve_report(doc: dict, out: Path) -> None:
              "request in both). `tokens/s C streaming`: from the level's start until its first client ran out of "
              "requests, while all C clients streamed (`level`: the whole level, its tail of fewer streams "
              "included); `x one stream` is the first against one stream's (the mean of the one-stream level before "
-             "and, `after`, again after the other levels: the machine's speed drifts). `ideal x`: C x step(1) / step(C), the "
-             "in-process decode step of 1 and of C rows (decode_step_ms), the most C streams can gain over one "
+             "and, `after`, again after the other levels: the machine's speed drifts). `ideal x`: C x step(1) / "
+             "step(C), the in-process decode step of 1 and of C rows (decode_step_ms), the most C streams can gain over one "
              "when prompts cost nothing.", "",
              "| build | mode | clients | tokens/s C streaming | tokens/s level | x one stream | ideal x | "
              "TTFT p50 / p99 ms | TTFT p99 start | ITL p50 / p99 ms | RSS MB | errors |",
