@@ -135,42 +135,35 @@ def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]
             "rss_mb": server_rss(server.process.pid) / 2**20}
 
 
-def decode_step_ms(build: str | Path, rows: Sequence[int], held: int = 100, repeats: int = 7) -> dict[int, float]:
-    """The median time of one in-place decode step of `rows` sequences holding `held` tokens, in this process
-    (the server's batched step without the server): C x step(1) / step(C) is the most C streams can gain."""
+def step_ms(build: str | Path, rows: Sequence[int], prompt: int, held: int = 100,
+            repeats: int = 7) -> tuple[dict[int, float], float]:
+    """In this process (the server's step without the server), median times of: one in-place decode step of
+    `rows` sequences holding `held` tokens (C x step(1) / step(C) is the most C streams can gain), and a lone
+    prefill of `prompt` tokens in one run (the TTFT goal's "lone prefill": what `generate` does first for a
+    request that has the model to itself)."""
     from .. import runtime
     from .harness import cpu_timer
+
+    def median_ms(call) -> float:
+        ns = [cpu_timer(call) for _ in range(repeats + 1)]
+        return float(np.median(ns[1:])) / 1e6  # the first one warms up
 
     session = runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
     cache = session.slot_cache(max(rows))
     rng = np.random.default_rng(0)
-    held = min(held, session.cfg.n_positions - 1)
+    vocab, last = session.cfg.vocab_size, session.cfg.n_positions - 1
+    prompt, held = min(prompt, last), min(held, last)
+    ids = rng.integers(0, vocab, (1, prompt))
+    prefill = median_ms(lambda: cache.run((0, ids, np.asarray([prompt]))))
     for i in range(max(rows)):
-        cache.run((i, rng.integers(0, session.cfg.vocab_size, (1, held)), np.asarray([held])))
-    out = {}
+        cache.run((i, rng.integers(0, vocab, (1, held)), np.asarray([held])))
+    decode = {}
     for r in rows:
-        ids, after = rng.integers(0, session.cfg.vocab_size, (r, 1)), np.full(r, held + 1)
-        ns = [cpu_timer(lambda: cache.run((0, ids, after))) for _ in range(repeats + 1)]
-        out[r] = float(np.median(ns[1:])) / 1e6  # the first one warms up
+        ids, after = rng.integers(0, vocab, (r, 1)), np.full(r, held + 1)
+        decode[r] = median_ms(lambda: cache.run((0, ids, after)))
     cache.close()
     session.close()
-    return out
-
-
-def lone_prefill_ms(build: str | Path, tokens: int, repeats: int = 5) -> float:
-    """The median time of prefilling one prompt of `tokens` tokens in one run, alone, in this process: the
-    TTFT goal's "lone prefill" (what `generate` does first for a request that has the model to itself)."""
-    from .. import runtime
-    from .harness import cpu_timer
-
-    session = runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
-    cache = session.slot_cache(1)
-    tokens = min(tokens, session.cfg.n_positions - 1)
-    ids = np.random.default_rng(0).integers(0, session.cfg.vocab_size, (1, tokens))
-    ns = [cpu_timer(lambda: cache.run((0, ids, np.asarray([tokens])))) for _ in range(repeats + 1)]
-    cache.close()
-    session.close()
-    return float(np.median(ns[1:])) / 1e6  # the first one warms up
+    return decode, prefill
 
 
 AIPERF_VAR = "ANDREA_EXPORT_AIPERF"
@@ -266,9 +259,8 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
         vocab, n = manifest["model"]["vocab_size"], manifest["model"]["n_positions"]
         lo, hi = (min(x, n // 4) for x in lengths)  # a prompt and its output within the context, with room
         isl = osl = ((lo + hi) // 2, (hi - lo) // 4)  # aiperf: mean and spread
-        steps = decode_step_ms(build, sorted({1, *levels}))
+        steps, prefill = step_ms(build, sorted({1, *levels}), hi)
         doc.setdefault("decode_step_ms", {})[label] = {str(k): round(v, 2) for k, v in steps.items()}
-        prefill = lone_prefill_ms(build, hi)
         doc.setdefault("lone_prefill_ms", {})[label] = {"tokens": hi, "ms": round(prefill, 2)}
         log(f"{label}: in-process decode step " + ", ".join(f"{k} rows {v:.1f} ms" for k, v in steps.items())
             + f"; a lone prefill of {hi} tokens {prefill:.1f} ms")

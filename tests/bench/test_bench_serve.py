@@ -28,6 +28,7 @@ def test_the_serve_benchmark_runs_levels_and_modes_and_writes_its_report(lively_
     # latencies without each client's first request (the start's burst); the burst's TTFT kept beside
     assert runs["in-flight", 4]["latency_requests"] == 4 and runs["in-flight", 1]["latency_requests"] == 7
     assert runs["in-flight", 4]["ttft_all_ms"]["p99"] >= runs["in-flight", 4]["ttft_ms"]["p50"] > 0
+    assert doc["lone_prefill_ms"]["tiny"]["ms"] > 0 and doc["lone_prefill_ms"]["tiny"]["tokens"] > 0
     steps = doc["decode_step_ms"]["tiny"]
     assert set(steps) == {"1", "4"} and runs["in-flight", 4]["ideal_x"] == pytest.approx(4 * steps["1"] / steps["4"], rel=0.2)
     assert doc["soak"]["requests"] == 120 and doc["soak"]["errors"] == 0
