@@ -405,10 +405,14 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
                    "bf16 instructions (verified by the build: verify.json 'runtimes').")
 @click.option("--inference-precision", type=click.Choice(["default", "bf16", "f32"]), default="default",
               show_default=True, help="--backend openvino only: what it computes in (default: bf16 where the CPU has it).")
+@click.option("--kv-cache-precision", type=click.Choice(["default", "u8", "bf16", "f32"]), default="default",
+              show_default=True,
+              help="--backend openvino only: what its fused attention keeps the KV cache in (default: OpenVINO's, "
+                   "u8 on x86 CPUs; f32 with --inference-precision f32).")
 @click.pass_context
 @_user_errors
 def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy, temperature, top_k, top_p, seed,
-             stop_ids, backend, inference_precision):
+             stop_ids, backend, inference_precision, kv_cache_precision):
     """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
 
     Prints the new token ids of each prompt on a line of its own, in order, each followed by the prompt
@@ -448,7 +452,8 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
             raise click.UsageError(f"--{name.replace('_', '-')} does not apply to --strategy {strategy}"
                                    + (" (greedy decoding samples nothing; choose --strategy top-k or top-p)"
                                       if strategy == "greedy" else ""))
-    with runtime.load(build, backend=backend, inference_precision=inference_precision) as sess:
+    with runtime.load(build, backend=backend, inference_precision=inference_precision,
+                      kv_cache_precision=kv_cache_precision) as sess:
         if (sess.weights_source or {}).get("kind") == "random-init":  # as build and verify announce it
             from .progress import warn
 

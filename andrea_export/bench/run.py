@@ -134,6 +134,8 @@ def run_benchmark(
             b.prepare(scenarios)
             if getattr(b, "compute_precision", None):  # what the runtime says it computes in, known once loaded
                 info[b.name]["compute_precision"] = b.compute_precision
+            if hasattr(b, "kv_cache_precision"):  # OpenVINO's fused attention keeps its cache at its own precision
+                info[b.name]["kv_cache_precision"] = b.kv_cache_precision
             active.append(b)
         except (AndreaExportError, ImportError, RuntimeError) as e:
             info[b.name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}

@@ -119,6 +119,7 @@ def load(
     intra_op_threads: int | None = None,
     cuda_graph: bool = True,
     inference_precision: str = "default",
+    kv_cache_precision: str = "default",
 ) -> Session:
     """A Session for the decoder in `path` (a build folder with `decoder.onnx`, or the .onnx file itself).
 
@@ -128,6 +129,8 @@ def load(
         intra_op_threads: ONNX Runtime's (or OpenVINO's) threads (default: the runtime's choice).
         cuda_graph: TensorRT only: replay the decode step as a CUDA graph (see runtime/trt.py).
         inference_precision: OpenVINO only: "default" (bf16 where the CPU has it), "bf16" or "f32".
+        kv_cache_precision: OpenVINO only: the fused attention's cache, "default" (OpenVINO's: u8 on x86; f32
+            with inference_precision "f32"), "u8", "bf16" or "f32".
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
@@ -135,8 +138,9 @@ def load(
     manifest = _build_manifest(path)
     if backend == "auto":
         backend = "tensorrt" if _has_engine(path, manifest) and installed("tensorrt") else "onnxruntime"
-    if backend != "openvino" and inference_precision != "default":
-        raise InputError(f"inference_precision is an OpenVINO setting; backend {backend!r} computes in the graph's precision")
+    for setting, value in (("inference_precision", inference_precision), ("kv_cache_precision", kv_cache_precision)):
+        if backend != "openvino" and value != "default":
+            raise InputError(f"{setting} is an OpenVINO setting; backend {backend!r} computes in the graph's precision")
     if backend == "onnxruntime" and not _cpu_only(providers):
         backend_graph = "onnxruntime-cuda"  # ONNX Runtime's CUDA GroupQueryAttention has no float32 kernels
     else:
@@ -156,7 +160,8 @@ def load(
     elif backend == "openvino":
         from .openvino import OpenVinoSession
 
-        sess = OpenVinoSession(onnx_path, cfg, layout, inference_precision=inference_precision, threads=intra_op_threads)
+        sess = OpenVinoSession(onnx_path, cfg, layout, inference_precision=inference_precision, threads=intra_op_threads,
+                               kv_cache_precision=kv_cache_precision)  # fmt: skip
     else:
         from .ort import OrtSession
 

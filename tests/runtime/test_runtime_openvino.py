@@ -84,3 +84,48 @@ def test_refusals(build_dir, tmp_path):
     closed.close()
     with pytest.raises(InputError, match="closed"):
         closed.forward([1, 2])
+
+
+def _runtime_layers(sess) -> dict:
+    from collections import Counter
+
+    return Counter(op.get_rt_info()["layerType"].astype(str) for op in sess.compiled.get_runtime_model().get_ordered_ops())
+
+
+def test_attention_and_its_cache_are_fused_and_compute_what_the_graph_does(build_dir, ov_f32, prompt, lively_model):
+    from andrea_export.runtime.openvino import OpenVinoSession
+
+    layers = _runtime_layers(ov_f32)
+    assert ov_f32.fused and layers["ScaledDotProductAttention"] == lively_model.cfg.n_layer
+    assert layers["Softmax"] == 0 and layers["MatMul"] == 0  # attention's ops are all in the fused node
+    assert ov_f32.kv_cache_precision == "f32"  # f32 inference keeps the cache in f32 too
+    plain = OpenVinoSession(build_dir / "decoder.onnx", ov_f32.cfg, ov_f32.layout, inference_precision="f32", fuse=False)
+    assert not plain.fused and plain.kv_cache_precision is None and _runtime_layers(plain)["Softmax"] > 0
+    ids = (prompt * 8)[:40]
+    np.testing.assert_allclose(ov_f32.forward_stepwise(ids, 5), plain.forward_stepwise(ids, 5), atol=1e-4, rtol=1e-4)
+
+
+def test_fusion_is_all_layers_or_none(build_dir, lively_model):
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from andrea_export.graphs.layout import kv_layout
+    from andrea_export.runtime.openvino import fuse_attention
+
+    model = ov.Core().read_model(build_dir / "decoder.onnx")
+    softmax = next(op for op in model.get_ordered_ops() if op.get_type_name() == "Softmax")
+    scores = softmax.input_value(0)  # one layer's attention in another form: its scores times one
+    softmax.input(0).replace_source_output(ops.multiply(scores, ops.constant(np.float32(1))).output(0))
+    before = sorted(op.get_type_name() for op in model.get_ordered_ops())
+    assert not fuse_attention(model, kv_layout(lively_model.cfg))
+    assert sorted(op.get_type_name() for op in model.get_ordered_ops()) == before  # no layer was rewritten
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 instructions (OpenVINO reports no BF16)")
+def test_the_default_keeps_openvinos_cache_precision(build_dir):
+    sess = runtime.load(build_dir, backend="openvino", intra_op_threads=2)
+    assert sess.fused and sess.kv_cache_precision == "u8"  # the CPU plugin's default on x86
+    bf16 = runtime.load(build_dir, backend="openvino", intra_op_threads=2, kv_cache_precision="bf16")
+    assert bf16.kv_cache_precision == "bf16"
+    with pytest.raises(InputError, match="kv_cache_precision"):
+        runtime.load(build_dir, backend="openvino", kv_cache_precision="i4")

@@ -46,6 +46,8 @@ def test_the_trained_demo_in_bf16_passes_with_a_measured_error(folder, lively_mo
     ppl = r["comparison"]["perplexity"]
     assert ppl["passed"] and ppl["rel_diff"] != 0.0
     assert r["greedy"]["steps"] == 16 and "agree" in r["greedy"]
+    dec = r["decoder"]  # the decoder as the runtime runs it: attention fused, the cache in the plugin
+    assert dec["passed"] and dec["fused_attention"] and 1e-4 < max(p["max_abs_logits"] for p in dec["per_prompt"])
 
 
 def test_a_graph_of_other_weights_fails(folder, lively_model, evaluation):
@@ -53,7 +55,7 @@ def test_a_graph_of_other_weights_fails(folder, lively_model, evaluation):
     with torch.no_grad():
         other.ln_f.weight.mul_(1.25)  # the graph holds the demo's weights; the reference now differs
     r = openvino_checks(folder, other, ARTIFACTS, shapes=[(1, 32)], greedy_steps=0, evaluation=evaluation)
-    assert not r["passed"] and not r["comparison"]["perplexity"]["passed"]
+    assert not r["passed"] and not r["comparison"]["perplexity"]["passed"] and not r["decoder"]["passed"]
     assert "greedy" not in r
 
 
@@ -66,3 +68,27 @@ def test_a_build_records_the_openvino_verdict(tiny_build):
     assert ov["passed"] and ov["graph"] == "model.onnx" and np.isfinite(ov["comparison"]["shapes"][0]["max_kl"])
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["verification"]["runtimes"] == {NAME: True}
+
+
+def test_the_decoder_check_fails_a_fusion_that_drops_the_causal_mask(folder, lively_model, monkeypatch):
+    import openvino.opset13 as ops
+
+    from andrea_export import runtime
+    from andrea_export.runtime import openvino as rov
+    from andrea_export.verify.openvino import decoder_steps_check
+
+    prompts = [[5, 9, 11, 2, 7, 3, 8, 1], [4, 4, 6]]
+    with runtime.load(folder / "decoder.onnx", backend="openvino", inference_precision="bf16") as sess:
+        good = decoder_steps_check(lively_model, sess, prompts)
+    assert good["passed"] and good["fused_attention"] and good["kv_cache_precision"] == "u8"
+    found = rov._attention
+
+    def unmasked(*args):  # every key allowed: a prompt's tokens see the tokens after them
+        match = found(*args)
+        return match and (*match[:3], ops.constant(np.ones((1, 1, 1, 1), dtype=bool)).output(0), *match[4:])
+
+    monkeypatch.setattr(rov, "_attention", unmasked)
+    with runtime.load(folder / "decoder.onnx", backend="openvino", inference_precision="bf16") as sess:
+        bad = decoder_steps_check(lively_model, sess, prompts)
+    assert bad["fused_attention"] and not bad["passed"]
+    assert max(p["max_abs_logits"] for p in bad["per_prompt"]) > 10 * max(p["max_abs_logits"] for p in good["per_prompt"])

@@ -7,7 +7,8 @@
   takes OpenVINO's default inference precision, which is bf16 on a CPU with bf16 instructions; `-f32` sets
   INFERENCE_PRECISION_HINT f32. The quantized ones keep the default for their activations.
 - ours on OpenVINO (`ours-openvino`): the build's own decoder.onnx through `runtime.openvino` (our loop,
-  OpenVINO's default precision), i.e. what `runtime.load(build, backend="openvino")` gives a user.
+  OpenVINO's default precision, attention fused with its cache at the plugin's default KV_CACHE_PRECISION,
+  as optimum-intel's exports get it), i.e. what `runtime.load(build, backend="openvino")` gives a user.
 
 Prefill: one call of the prompt on an empty cache. Decode: not timed alone (the stateful request owns the
 cache, as genai's generator does); its steps are inside generate. Every backend records the precision
@@ -109,7 +110,10 @@ class OpenVinoBackend(Backend):
             self.hf = OVModelForCausalLM.from_pretrained(xml.parent, ov_config=cfg, compile=True)
         except Exception as e:  # a third-party exporter's error (any type) fails this peer, not the whole run
             raise Unavailable(f"optimum-intel's export or load failed: {type(e).__name__}: {e}") from e
+        from ...runtime.openvino import kv_cache_precision_of
+
         compute = _precision(self.hf.request.get_compiled_model())
+        self.kv_cache_precision = kv_cache_precision_of(self.hf.request.get_compiled_model())
         if self.mode not in ("int8", "int4"):
             self.precision = compute
         self.compute_precision = compute
@@ -160,6 +164,7 @@ class OursOpenVinoBackend(Backend):
         self.session = OpenVinoSession(self.ctx.decoder_onnx(), self.ctx.cfg, kv_layout(self.ctx.cfg),
                                        threads=self.ctx.threads)  # fmt: skip
         self.precision = self.compute_precision = _precision(self.session.compiled)
+        self.kv_cache_precision = self.session.kv_cache_precision  # None: attention not fused (the graph's cache)
 
     def prefill(self, ids):
         mask = np.ones_like(ids)
