@@ -405,7 +405,7 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
                    "bf16 instructions (verified by the build: verify.json 'runtimes').")
 @click.option("--inference-precision", type=click.Choice(["default", "bf16", "f32"]), default="default",
               show_default=True, help="--backend openvino only: what it computes in (default: bf16 where the CPU has it).")
-@click.option("--kv-cache-precision", type=click.Choice(["default", "u8", "bf16", "f32"]), default="default",
+@click.option("--kv-cache-precision", type=click.Choice(["default", "u8", "f16", "bf16", "f32"]), default="default",
               show_default=True,
               help="--backend openvino only: what its fused attention keeps the KV cache in (default: OpenVINO's, "
                    "u8 on x86 CPUs; f32 with --inference-precision f32).")

@@ -130,7 +130,7 @@ def load(
         cuda_graph: TensorRT only: replay the decode step as a CUDA graph (see runtime/trt.py).
         inference_precision: OpenVINO only: "default" (bf16 where the CPU has it), "bf16" or "f32".
         kv_cache_precision: OpenVINO only: the fused attention's cache, "default" (OpenVINO's: u8 on x86; f32
-            with inference_precision "f32"), "u8", "bf16" or "f32".
+            with inference_precision "f32"), "u8", "f16", "bf16" or "f32".
     """
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -41,7 +41,7 @@ from ..names import ATTENTION_MASK, INPUT_IDS
 from .base import Session, Steps
 
 PRECISIONS = ("default", "bf16", "f32")  # "default": OpenVINO's choice for this CPU (bf16 where it has bf16)
-KV_CACHE_PRECISIONS = ("default", "u8", "bf16", "f32")  # "default": the CPU plugin's (u8 on x86)
+KV_CACHE_PRECISIONS = ("default", "u8", "f16", "bf16", "f32")  # "default": the CPU plugin's (u8 on x86)
 
 
 def cpu_config(threads: int | None = None, precision: str = "default", kv_cache_precision: str = "default") -> dict:
@@ -168,7 +168,7 @@ class OpenVinoSession(Session):
         """`inference_precision`: "default" (OpenVINO's: bf16 on a CPU with bf16 instructions, else f32), "bf16"
         (refused on a CPU without them: OpenVINO would emulate it slowly) or "f32". `threads`: the CPU
         plugin's INFERENCE_NUM_THREADS (default: OpenVINO's choice). `kv_cache_precision`: "default" (the
-        CPU plugin's, u8 on x86; f32 with inference_precision "f32"), "u8", "bf16" or "f32". `fuse`: hand
+        CPU plugin's, u8 on x86; f32 with inference_precision "f32"), "u8", "f16", "bf16" or "f32". `fuse`: hand
         attention and its cache to OpenVINO's fused kernel (fuse_attention; False: the graph's own ops and
         Concat cache, for comparison)."""
         ov = require("openvino", "openvino", "the OpenVINO backend")
