@@ -18,7 +18,7 @@ OpenVINO's ScaledDotProductAttention instead, its past read through an identity 
 (the form of optimum-intel's exports, whose beam index reorders the cache; ours is 0..B-1), so that the CPU
 plugin fuses cache, concatenation and attention into one node (ScaledDotProductAttentionWithKVCache) that
 appends each step's keys and values in place. The cache is then kept at the plugin's KV_CACHE_PRECISION:
-u8 by default on x86 (per token and head, with a scale and zero point), bf16 or f32 when asked
+u8 by default on x86 (per token and head, with a scale and zero point), f16, bf16 or f32 when asked
 (`kv_cache_precision`). ANDREA-120M, greedy 32 + 128 tokens, 2 cores: see the README's table.
 
 Each call gets its own infer request, its states reset. One compiled model serves many threads: infer
@@ -47,7 +47,7 @@ KV_CACHE_PRECISIONS = ("default", "u8", "f16", "bf16", "f32")  # "default": the 
 def cpu_config(threads: int | None = None, precision: str = "default", kv_cache_precision: str = "default") -> dict:
     """The CPU plugin's settings for every OpenVINO model of ours (runtime, verification, benchmark): one
     stream, latency; `threads` INFERENCE_NUM_THREADS (None: OpenVINO's choice); `precision` "bf16" / "f32"
-    as INFERENCE_PRECISION_HINT, `kv_cache_precision` "u8" / "bf16" / "f32" as KV_CACHE_PRECISION (which
+    as INFERENCE_PRECISION_HINT, `kv_cache_precision` "u8" / "f16" / "bf16" / "f32" as KV_CACHE_PRECISION (which
     applies to a fused attention's cache only; "default": OpenVINO's choice)."""
     config = {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": "1"}
     if precision != "default":
@@ -65,7 +65,7 @@ def compute_precision(compiled) -> str:
 
 
 def kv_cache_precision_of(compiled) -> str | None:
-    """The precision a compiled model keeps a fused attention's cache in ("u8", "bf16", "f32"), as OpenVINO
+    """The precision a compiled model keeps a fused attention's cache in ("u8", "f16", "bf16", "f32"), as OpenVINO
     reports it; None when no attention was fused (the cache is then the graph's own tensors)."""
     ops = compiled.get_runtime_model().get_ordered_ops()
     if not any(op.get_rt_info()["layerType"].astype(str) == "ScaledDotProductAttention" for op in ops):
@@ -87,10 +87,9 @@ def fuse_attention(model, layout: KVLayout) -> bool:
     layers or none: False (the graph untouched) where any layer's attention is not of that form."""
     import openvino.opset13 as ops
 
-    pasts = {p.get_friendly_name(): p for p in model.get_parameters()}
     found = []
     for softmax in (n for n in model.get_ordered_ops() if n.get_type_name() == "Softmax"):
-        match = _attention(softmax, set(layout.past_names), pasts)
+        match = _attention(softmax, set(layout.past_names))
         if match is None:
             return False
         found.append(match)
@@ -110,7 +109,7 @@ def fuse_attention(model, layout: KVLayout) -> bool:
     return True
 
 
-def _attention(softmax, past_names: set[str], pasts: dict):
+def _attention(softmax, past_names: set[str]):
     """(q, keys, values, allowed, fill, scale, the output MatMul) of one layer's attention around `softmax`,
     or None where the graph is not of the form fuse_attention knows."""
 
@@ -120,7 +119,7 @@ def _attention(softmax, past_names: set[str], pasts: dict):
 
     def past_concat(output):  # Concat(past parameter, this step's) along the sequence axis
         concat = node(output, "Concat")
-        if concat is None or concat.get_input_size() != 2:
+        if concat is None or concat.get_input_size() != 2 or concat.get_attributes()["axis"] not in (2, -2):
             return None
         first = concat.input_value(0).get_node()
         return concat if first.get_type_name() == "Parameter" and first.get_friendly_name() in past_names else None
