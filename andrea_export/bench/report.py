@@ -238,6 +238,14 @@ def to_markdown(doc: dict) -> str:
         if b.get("status") != "ok":
             out.append(f"- backend `{name}`: {b.get('status')}: {b.get('reason')}")
     out.append("")
+    ran = {name: b for name, b in doc["backends"].items() if b.get("status") == "ok"}
+    if any("compute_precision" in b or "kv_cache_precision" in b for b in ran.values()):
+        out += ["## Backends: what each computes in, as its runtime reports it once loaded", "",
+                "| backend | computes in | KV cache kept in | version |", "|---|---|---|---|"]  # fmt: skip
+        for name, b in ran.items():
+            version = b.get("version") or b.get("versions") or "-"
+            out.append(f"| {name} | {b.get('compute_precision') or '-'} | {b.get('kv_cache_precision') or '-'} | {version} |")
+        out.append("")
     titles = {"prefill": "Prefill (whole prompt, logits for every token)",
               "decode": "One decode step with the KV cache", "generate": "Greedy generation end to end"}
     for scen, title in titles.items():

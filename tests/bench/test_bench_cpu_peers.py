@@ -118,8 +118,11 @@ def test_run_holds_each_peer_against_ours_at_its_precision(run):
     assert compute["openvino"] == compute["ours-openvino"] == ("bf16" if bf16 else "fp32")
     assert compute["openvino-f32"] == compute["ort-cpu"] == "fp32" and compute["ctranslate2-int8"].startswith("int8")
     assert compute["ort-cpu-int8"].startswith("int8 products")
+    kv = {n: b.get("kv_cache_precision") for n, b in doc["backends"].items() if n.startswith(("openvino", "ours-openvino"))}
+    assert all(kv.values()), kv  # every OpenVINO model's attention fused, its cache precision recorded
     md = (out / "bench.md").read_text()
     assert "| prefill | B=2 T=16 | openvino-int8 | int8 | ort-cpu-int8 |" in md
+    assert f"| ours-openvino | {compute['ours-openvino']} | {kv['ours-openvino']} |" in md  # the backends table
 
 
 def test_decode_alone_is_a_skipped_case_with_the_reason(ctx):
