@@ -66,6 +66,11 @@ def test_generate_on_openvino_in_f32_gives_onnx_runtimes_tokens(lively_decoder):
     assert ov.stdout == ort.stdout and len(ov.stdout.split()) == 12
     bad = CliRunner().invoke(main, args + ["--inference-precision", "f32"])
     assert bad.exit_code == 1 and "inference_precision is an OpenVINO setting" in bad.output
+    bad = CliRunner().invoke(main, args + ["--kv-cache-precision", "u8"])
+    assert bad.exit_code == 1 and "kv_cache_precision is an OpenVINO setting" in bad.output
+    f32_cache = CliRunner().invoke(main, args + ["--backend", "openvino", "--inference-precision", "f32",
+                                                 "--kv-cache-precision", "f32"])  # fmt: skip
+    assert f32_cache.exit_code == 0 and f32_cache.stdout == ort.stdout
 
 
 _NOISY = r"""
