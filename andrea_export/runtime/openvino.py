@@ -95,9 +95,7 @@ def fuse_attention(model, layout: KVLayout) -> bool:
         found.append(match)
     if len(found) != layout.n_layer:
         return False
-    ids = model.input(INPUT_IDS)
-    batch = ops.gather(ops.shape_of(ids, "i32"), ops.constant(np.int32(0)), ops.constant(np.int32(0)))
-    rows = ops.range(ops.constant(np.int32(0)), batch, ops.constant(np.int32(1)), "i32")  # the identity reorder
+    rows = ops.range(ops.constant(np.int32(0)), _batch(model, np.int32), ops.constant(np.int32(1)), "i32")  # identity
     for q, keys, values, allowed, fill, scale, out in found:
         for concat in (keys.get_node(), values.get_node()):
             past = concat.input_value(0)
@@ -146,11 +144,19 @@ def _attention(softmax, past_names: set[str]):
     return scores.input_value(0), keys, values, negated.input_value(0), fill, scale, out
 
 
+def _batch(model, dtype):
+    """The ids' batch size, a scalar of `dtype` computed in the graph (from the shape of input_ids)."""
+    import openvino.opset13 as ops
+
+    name = np.dtype(dtype).name.replace("int", "i")
+    return ops.gather(ops.shape_of(model.input(INPUT_IDS), name), ops.constant(dtype(0)), ops.constant(dtype(0)))
+
+
 def _empty_cache_on_reset(model, layout: KVLayout) -> None:
     """Every state (after make-stateful) starts as [B, n_head, 0, head_dim] zeros, B the ids' batch."""
     import openvino.opset13 as ops
 
-    batch = ops.gather(ops.shape_of(model.input(INPUT_IDS), "i64"), ops.constant(np.array([0])), ops.constant(np.int64(0)))
+    batch = ops.unsqueeze(_batch(model, np.int64), ops.constant(np.int64(0)))
     rest = ops.constant(np.array([layout.n_head, 0, layout.head_dim], dtype=np.int64))
     for op in model.get_ops():
         if op.get_type_name() == "ReadValue":
