@@ -4,7 +4,9 @@ frontend and made stateful, on the CPU plugin.
 Why a second CPU runtime: on CPUs with bf16 instructions (AVX512-BF16, AMX) OpenVINO computes in bf16
 by default (`INFERENCE_PRECISION_HINT`), which ONNX Runtime's CPU provider cannot do (it has no bf16
 kernels on x86). The weights stay the build's fp32 ones; the matmuls round their inputs to bf16 and
-accumulate in fp32. `inference_precision="f32"` keeps OpenVINO in full precision.
+accumulate in fp32. `inference_precision="f32"` keeps OpenVINO in full precision, cache included, and so
+does a CPU without bf16 instructions: there OpenVINO computes in f32, and the session is then an f32
+session throughout (the u8 cache would be the only lossy step of an otherwise full-precision run).
 
 Stateful: `apply_make_stateful_transformation` (what optimum-intel applies to its own exports) turns every
 `past_key_values.*` input / `present.*` output pair into one internal state, so the cache stays inside the
@@ -173,7 +175,7 @@ class OpenVinoSession(Session):
         """`inference_precision`: "default" (OpenVINO's: bf16 on a CPU with bf16 instructions, else f32), "bf16"
         (refused on a CPU without them: OpenVINO would emulate it slowly) or "f32". `threads`: the CPU
         plugin's INFERENCE_NUM_THREADS (default: OpenVINO's choice). `kv_cache_precision`: "default" (the
-        CPU plugin's, u8 on x86; f32 with inference_precision "f32"), "u8", "f16", "bf16" or "f32". `fuse`: hand
+        CPU plugin's, u8 on x86; f32 wherever the session computes in f32), "u8", "f16", "bf16" or "f32". `fuse`: hand
         attention and its cache to OpenVINO's fused kernel (fuse_attention; False: the graph's own ops and
         Concat cache, for comparison)."""
         ov = require("openvino", "openvino", "the OpenVINO backend")
@@ -198,6 +200,8 @@ class OpenVinoSession(Session):
             _empty_cache_on_reset(model, layout)
         except RuntimeError as e:  # OpenVINO's frontend error for a graph it cannot read
             raise InputError(f"{onnx_path}: OpenVINO cannot read this graph: {str(e).strip().splitlines()[-1]}") from None
+        if inference_precision == "default" and not cpu_has_bf16():
+            inference_precision = "f32"  # what OpenVINO picks here, made explicit so that the cache follows it
         if inference_precision == "f32" and kv_cache_precision == "default":
             kv_cache_precision = "f32"  # full precision means the cache too (the plugin's default is u8)
         self.compiled = core.compile_model(model, "CPU", cpu_config(threads, inference_precision, kv_cache_precision))

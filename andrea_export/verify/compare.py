@@ -123,7 +123,7 @@ class VerifyReport:
     skipped: list  # artifacts that could not run here, with the reason
     decoder: dict | None = None  # the KV-cache decoder: step-by-step comparison and greedy agreement
     perplexity: dict | None = None  # on real text (eval_text), per artifact beside PyTorch's; or why not computed
-    runtimes: dict | None = None  # other runtimes on the build's graphs: {"openvino-bf16": openvino.openvino_checks}
+    runtimes: dict | None = None  # other runtimes on the build's graphs: {"openvino-bf16" | "openvino-f32": {...}}
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -375,7 +375,7 @@ def print_summary(report: VerifyReport) -> None:
             for c in report.comparisons if c.get("perplexity")) + f" (bound {p['max_rel_diff']:.0e} relative)")
     elif p:
         console.print(f"perplexity: {p['reason']}")
-    for name, r in (report.runtimes or {}).items():  # another runtime on the build's graphs (OpenVINO bf16)
+    for name, r in (report.runtimes or {}).items():  # another runtime on the build's graphs (OpenVINO)
         c, g = r["comparison"], r.get("greedy")
         worst_kl, least_top1 = max(s["max_kl"] for s in c["shapes"]), min(s["top1_agreement"] for s in c["shapes"])
         ppl = f", perplexity {c['perplexity']['rel_diff']:+.2e} relative" if c.get("perplexity") else ""

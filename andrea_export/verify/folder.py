@@ -110,14 +110,20 @@ def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_i
                 report.decoder["engine"] = engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
                 report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine"]["passed"]
         report.passed = report.passed and report.decoder["passed"]
-    if precision == "fp32":  # where the CPU has bf16, OpenVINO runs these fp32 graphs in bf16: checked too
-        from .openvino import NAME, openvino_blocker, openvino_checks
+    if precision == "fp32":  # OpenVINO runs these fp32 graphs too (in bf16 where the CPU has it): checked as it runs
+        from ..errors import MissingDependency
+        from .openvino import openvino_checks, openvino_precision, runtime_name
 
-        if reason := openvino_blocker():
-            report.skipped.append({"artifact": NAME, "reason": reason})
+        try:
+            computes_in = openvino_precision()
+        except MissingDependency:
+            report.skipped.append({"artifact": "openvino",
+                                   "reason": "OpenVINO is not installed (pip install 'andrea-export[openvino]')"})
         else:
-            report.runtimes = {NAME: openvino_checks(folder, model, artifacts, shapes, greedy_steps, (wins, described))}
-            report.passed = report.passed and report.runtimes[NAME]["passed"]
+            name = runtime_name(computes_in)
+            report.runtimes = {name: openvino_checks(folder, model, artifacts, shapes, greedy_steps, (wins, described),
+                                                     inference_precision=computes_in)}  # fmt: skip
+            report.passed = report.passed and report.runtimes[name]["passed"]
     return report
 
 

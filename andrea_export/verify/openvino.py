@@ -1,9 +1,11 @@
-"""The build's fp32 graphs on OpenVINO in bf16 (what `runtime.load(build, backend="openvino")` computes on
-a CPU with bf16 instructions), checked against PyTorch as every artifact is: the standard graph through
-Polygraphy at bf16's thresholds (logits, top-1, KL, and the perplexity on the evaluation text when the build
-has one); the KV-cache decoder as the runtime runs it (its attention fused, the cache in the plugin at its
-KV_CACHE_PRECISION: runtime/openvino.py), step by step at the same thresholds; and greedy decoding through
-that session (reported: bf16 may part from fp32 at a near-tie)."""
+"""The build's fp32 graphs as `runtime.load(build, backend="openvino")` runs them on this CPU, checked against
+PyTorch as every artifact is. OpenVINO computes in bf16 on a CPU with bf16 instructions and in f32 elsewhere;
+the check runs in that precision at its thresholds (bf16's, or fp32's) and is named by it (`openvino-bf16`,
+`openvino-f32`): the standard graph through Polygraphy (logits, top-1, KL, and the perplexity on the
+evaluation text when the build has one); the KV-cache decoder as the runtime runs it (its attention fused,
+the cache in the plugin at its KV_CACHE_PRECISION: runtime/openvino.py), step by step at the same
+thresholds; and greedy decoding through that session (reported: a lower precision may part from fp32 at a
+near-tie)."""
 
 from __future__ import annotations
 
@@ -17,14 +19,20 @@ from polygraphy.common import TensorMetadata
 
 from ..graphs.export import INPUT_NAME, OUTPUT_NAME
 
-NAME = "openvino-bf16"
+# verify/thresholds.py's precision for what OpenVINO computes in
+THRESHOLDS = {"bf16": "bf16", "f32": "fp32"}
+
+
+def runtime_name(inference_precision: str) -> str:
+    """The check's name in verify.json "runtimes" and the manifest: what runs, in what."""
+    return f"openvino-{inference_precision}"
 
 
 class OpenVinoRunner(BaseRunner):
     """A Polygraphy runner for an ONNX graph on OpenVINO's CPU plugin at `inference_precision`."""
 
-    def __init__(self, onnx_path: str | Path, inference_precision: str = "bf16", name: str = NAME):
-        super().__init__(name=name)
+    def __init__(self, onnx_path: str | Path, inference_precision: str = "bf16", name: str | None = None):
+        super().__init__(name=name or runtime_name(inference_precision))
         self.onnx_path, self.inference_precision = str(onnx_path), inference_precision
 
     def activate_impl(self):
@@ -33,7 +41,8 @@ class OpenVinoRunner(BaseRunner):
         from ..runtime.openvino import cpu_config
 
         core = ov.Core()
-        self.compiled = core.compile_model(core.read_model(self.onnx_path), "CPU", cpu_config(None, self.inference_precision))
+        config = cpu_config(None, self.inference_precision)
+        self.compiled = core.compile_model(core.read_model(self.onnx_path), "CPU", config)
         self.request = self.compiled.create_infer_request()
 
     def deactivate_impl(self):
@@ -49,28 +58,25 @@ class OpenVinoRunner(BaseRunner):
         return OrderedDict([(OUTPUT_NAME, np.array(out[self.compiled.output(0)], dtype=np.float32))])
 
 
-def openvino_blocker() -> str | None:
-    """Why the bf16 check cannot run here (None: it can)."""
-    from ..errors import MissingDependency
+def openvino_precision() -> str:
+    """What OpenVINO computes in on this CPU by default, "bf16" or "f32" (the runtime's default session does
+    the same). Raises MissingDependency without OpenVINO."""
     from ..runtime.openvino import cpu_has_bf16
 
-    try:
-        return None if cpu_has_bf16() else "this CPU has no bf16 instructions: OpenVINO computes in f32 here"
-    except MissingDependency:
-        return "OpenVINO is not installed (pip install 'andrea-export[openvino]')"
+    return "bf16" if cpu_has_bf16() else "f32"
 
 
-def decoder_steps_check(model, session, prompts, steps: int = 16, seed: int = 0) -> dict:
+def decoder_steps_check(model, session, prompts, steps: int = 16, seed: int = 0, thresholds: str = "bf16") -> dict:
     """Each prompt, then `steps` more random ids one at a time through `session` (an OpenVINO session: its
     cache in the infer request's states), against PyTorch recomputing the whole sequence: every position's
-    logits at bf16's tolerances and next-token thresholds (top-1 beyond ties, max KL)."""
+    logits at the tolerances and next-token thresholds (top-1 beyond ties, max KL) of `thresholds`."""
     import torch
 
     from .compare import lm_metrics, lm_passed, lm_thresholds
     from .thresholds import TOLERANCES
 
     rng = np.random.default_rng(seed)
-    tol, floor = TOLERANCES["bf16"], lm_thresholds("bf16")
+    tol, floor = TOLERANCES[thresholds], lm_thresholds(thresholds)
     refs, outs, per_prompt = [], [], []
     for prompt in prompts:
         ids = list(prompt) + rng.integers(0, model.cfg.vocab_size, steps).tolist()
@@ -87,29 +93,33 @@ def decoder_steps_check(model, session, prompts, steps: int = 16, seed: int = 0)
 
 
 def openvino_checks(folder: Path, model, artifacts: dict, shapes=None, greedy_steps: int = 32,
-                    evaluation: tuple = (None, None)) -> dict:  # fmt: skip
-    """The standard graph and the decoder of an fp32 build on OpenVINO in bf16 (see the module docstring)."""
+                    evaluation: tuple = (None, None), inference_precision: str = "bf16") -> dict:  # fmt: skip
+    """The standard graph and the decoder of an fp32 build on OpenVINO in `inference_precision` (see the module
+    docstring), at that precision's thresholds."""
     from ..progress import step
     from ..runtime import load
     from .agreement import greedy_agreement
     from .compare import verify
 
+    name, thresholds = runtime_name(inference_precision), THRESHOLDS[inference_precision]
     wins, described = evaluation
-    with step("Verifying the graphs on OpenVINO in bf16 (runtime.load(..., backend='openvino'))"):
-        report = verify(model, {NAME: OpenVinoRunner(folder / artifacts["onnx"])}, precision="bf16", shapes=shapes,
-                        greedy_steps=0, eval_windows=wins, eval_text=described, quiet=True)  # fmt: skip
-        result = {"inference_precision": "bf16", "graph": artifacts["onnx"], "thresholds": "bf16",
+    with step(f"Verifying the graphs on OpenVINO in {inference_precision} (runtime.load(..., backend='openvino'))"):
+        runner = OpenVinoRunner(folder / artifacts["onnx"], inference_precision)
+        report = verify(model, {name: runner}, precision=thresholds, shapes=shapes, greedy_steps=0,
+                        eval_windows=wins, eval_text=described, quiet=True)  # fmt: skip
+        result = {"inference_precision": inference_precision, "graph": artifacts["onnx"], "thresholds": thresholds,
                   "comparison": report.comparisons[0], "passed": report.passed}  # fmt: skip
     if "decoder_onnx" in artifacts:
         rng = np.random.default_rng(0)
         n = min(16, model.cfg.n_positions // 4)
         prompts = [rng.integers(0, model.cfg.vocab_size, k).tolist() for k in (n, n // 2)]
-        with step("Verifying the KV-cache decoder on OpenVINO in bf16 step by step (attention fused, cache in "
-                  "the plugin)"), load(folder / artifacts["decoder_onnx"], backend="openvino", inference_precision="bf16") as sess:  # fmt: skip
-            result["decoder"] = decoder_steps_check(model, sess, prompts)
+        with step(f"Verifying the KV-cache decoder on OpenVINO in {inference_precision} step by step (attention "
+                  "fused, cache in the plugin)"), load(folder / artifacts["decoder_onnx"], backend="openvino",
+                                                        inference_precision=inference_precision) as sess:  # fmt: skip
+            result["decoder"] = decoder_steps_check(model, sess, prompts, thresholds=thresholds)
             result["passed"] = result["passed"] and result["decoder"]["passed"]
             if greedy_steps:
                 greedy = greedy_agreement(model, sess, prompts[0][:8], n_tokens=greedy_steps)
                 greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
-                result["greedy"] = greedy  # reported, not gated: bf16 may part from fp32 at a near-tie
+                result["greedy"] = greedy  # reported, not gated: a lower precision may part from fp32 at a near-tie
     return result

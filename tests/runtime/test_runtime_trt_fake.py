@@ -18,7 +18,7 @@ from fake_cuda import DataType, FakeCudart, _Fault, cudaError_t, fake_tensorrt, 
 
 from andrea_export import runtime
 from andrea_export.config import ANDREA_TINY
-from andrea_export.errors import CudaError
+from andrea_export.errors import CudaError, MissingDependency
 from andrea_export.folder.atomic import sha256_file
 from andrea_export.graphs.kvcache import optimization_profiles
 from andrea_export.graphs.layout import read_config, read_kv_layout
@@ -435,7 +435,10 @@ def gate_only(monkeypatch):
     monkeypatch.setattr(verify_folder, "engine_blocker", lambda plan, info: None)
     from andrea_export.verify import openvino as verify_openvino  # another runtime's check: not the subject
 
-    monkeypatch.setattr(verify_openvino, "openvino_blocker", lambda: "not the subject of these tests")
+    def not_here():
+        raise MissingDependency("not the subject of these tests")
+
+    monkeypatch.setattr(verify_openvino, "openvino_precision", not_here)
 
 
 @pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
