@@ -180,6 +180,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     checked = _check_for_model(opts, cfg) if cfg is not None else None  # before the model is loaded
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
+    _check_engine_gate_dependencies()
     if opts.strip_weights and builder == "tensorrt-rtx":
         from .engine.refit import STRIP_REFUSED_RTX
 
@@ -211,6 +212,17 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
                              "while it is staged) and run it again") from None
         raise
     return manifest
+
+
+def _check_engine_gate_dependencies() -> None:
+    """Where a GPU can run the engines, the build checks them through the runtime's TensorRT session: what that
+    needs is asked for now, not after minutes of building (the staged build would then be thrown away)."""
+    from .errors import gpu_compute_capability
+
+    if gpu_compute_capability() is not None:
+        from .runtime.trt import cuda_runtime
+
+        cuda_runtime()
 
 
 def _check_for_model(opts: BuildOptions, cfg) -> tuple[list, tuple | None]:

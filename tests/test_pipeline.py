@@ -316,3 +316,26 @@ def test_a_build_with_a_tokenizer_is_one_genai_and_transformers_tokenize_with(de
     genai = og.Tokenizer(og.Model(str(out)))
     assert [int(i) for i in genai.encode(text)] == ours and genai.decode(ours) == text
     assert transformers.AutoTokenizer.from_pretrained(str(out))(text)["input_ids"] == ours
+
+
+@pytest.mark.parametrize("missing", [("cuda",), ("cuda.bindings", "cuda.cudart")])
+def test_a_gpu_host_without_cuda_python_is_told_before_any_work(monkeypatch, tmp_path, missing):
+    """On a GPU host the build checks its engines through the runtime's TensorRT session, which drives CUDA with
+    cuda-python: without it the build stops before the model is even loaded, naming the extra that installs it
+    (it used to fail after both engines were built, throwing the staged build away)."""
+    import sys
+
+    from andrea_export import errors, pipeline
+    from andrea_export.errors import MissingDependency
+
+    monkeypatch.setattr(errors, "gpu_compute_capability", lambda: (8, 9))
+    for module in missing:
+        monkeypatch.setitem(sys.modules, module, None)  # import fails, as when cuda-python is not installed
+
+    def loaded(*args, **kwargs):
+        raise AssertionError("the model was loaded before the engine check's dependencies were")
+
+    monkeypatch.setattr(pipeline, "_load_model", loaded)
+    with pytest.raises(MissingDependency, match=r"cuda\.cudart.*pip install 'andrea-export\[tensorrt\]'"):
+        run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(tmp_path / "b")))
+    assert not (tmp_path / "b").exists()

@@ -77,10 +77,16 @@ def _cudart():
     if gpu_compute_capability() is None:  # said first: without a GPU, no CUDA package would help
         raise InputError("no GPU on this machine (or no working driver), and the TensorRT backend runs the engine on "
                          "an NVIDIA GPU; use --backend onnxruntime")
+    return cuda_runtime()
+
+
+def cuda_runtime():
+    """cuda-python's runtime bindings, which the TensorRT session (and so the build's engine check) drives; else
+    MissingDependency naming the extra that installs them."""
     try:
         from cuda.bindings import runtime as cudart  # cuda-python >= 12.6
     except ImportError:
-        cudart = require("cuda.cudart", "gpu", "The TensorRT runtime")  # older cuda-python
+        cudart = require("cuda.cudart", "tensorrt", "Running TensorRT engines (the runtime's TensorRT session)")
     return cudart
 
 

@@ -26,7 +26,7 @@ def _gpu_with_tensorrt() -> str | None:
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
-        return "cuda-python is not installed (pip install 'andrea-export[gpu]')"
+        return "cuda-python is not installed (pip install 'andrea-export[tensorrt]')"
     err, count = cudart.cudaGetDeviceCount()
     if err != cudart.cudaError_t.cudaSuccess or count == 0:
         return f"no usable NVIDIA GPU ({err})"
