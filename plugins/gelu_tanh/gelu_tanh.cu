@@ -5,8 +5,12 @@
 //   y = 0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x^3)))      (TanhGelu)
 //   y = gelu(x + bias[i % bias_len])                                  (TanhGeluBias)
 //
-// - tanh is ONE hardware instruction: PTX tanh.approx.f32 (SASS MUFU.TANH, sm_75+).
-// - float32 / float16 / bfloat16 storage; the math is always float32.
+// - float16 / bfloat16 storage: tanh is ONE hardware instruction, PTX tanh.approx.f32 (SASS MUFU.TANH, sm_75+),
+//   whose 2^-11 relative error is below the output format's own rounding.
+// - float32 storage: tanh to float32 accuracy (about 2^-22 relative: an odd polynomial near 0, else
+//   1 - 2 / (2^(2u log2 e) + 1) through ex2.approx.f32), since an fp32 engine is held to fp32's logits and
+//   tanh.approx's error alone moved ANDREA-120M's logits by up to 6e-4. The kernel stays bound by memory.
+// - the math is always float32.
 // - 16-byte vector loads and stores for the aligned body, scalar head and tail for any length and any
 //   pointer alignment (TensorRT may hand us tensors at element offsets); a fully scalar path when
 //   x and y are misaligned relative to each other.
@@ -29,6 +33,12 @@
 ANDREA_DEVICE float andrea_tanh(float x) {
     float y;
     asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// ex2.approx.ftz.f32: 2^x, max relative error about 2^-22 (PTX ISA). One MUFU.EX2.
+ANDREA_DEVICE float andrea_ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
     return y;
 }
 ANDREA_DEVICE float andrea_fma(float a, float b, float c) { return __fmaf_rn(a, b, c); }
@@ -91,11 +101,32 @@ struct alignas(16) Vec16 {
 constexpr float kSqrt2OverPi = 0.7978845608028654f;
 constexpr float kCubicCoef = 0.035677408136300125f;
 
-// gelu_tanh in float32: u = sqrt(2/pi) * x * (1 + 0.044715 x^2); y = 0.5x + 0.5x * tanh(u) (one FMA,
-// no cancellation in 1 + tanh(u) for negative x).
+// tanh(u) to float32 accuracy, for the float32 entry points. |u| < 0.55: u + u^3 P(u^2), P of degree 4 fitted
+// to tanh's relative error (2^-23.8 in float32 arithmetic); above: 1 - 2 / (e^(2|u|) + 1), no cancellation
+// (the quotient is at most 1/2), e^(2|u|) = 2^(2 log2(e) |u|) by ex2.approx (inf past |u| = 44: tanh = 1), the
+// sign put back. NaN stays NaN. Relative error <= 2^-20 (reference.py's TANH_ACCURATE_REL_ERR).
+ANDREA_DEVICE float tanh_accurate(float u) {
+    const float a = andrea_bits_to_f32(andrea_f32_to_bits(u) & 0x7fffffffu);
+    if (a < 0.55f) {
+        const float s = u * u;
+        float p = -6.349245551973581e-3f;
+        p = andrea_fma(p, s, 2.112264558672905e-2f);
+        p = andrea_fma(p, s, -5.386409908533096e-2f);
+        p = andrea_fma(p, s, 1.33326917886734e-1f);
+        p = andrea_fma(p, s, -3.3333319425582886e-1f);
+        return andrea_fma(p * s, u, u);
+    }
+    const float e = andrea_ex2(2.8853900817779268f * a);  // 2 log2(e) |u|
+    const float t = 1.0f - 2.0f / (e + 1.0f);
+    return andrea_bits_to_f32(andrea_f32_to_bits(t) | (andrea_f32_to_bits(u) & 0x80000000u));
+}
+
+// gelu_tanh in float32 with the storage's tanh (S::tanh): u = sqrt(2/pi) * x * (1 + 0.044715 x^2);
+// y = 0.5x + 0.5x * tanh(u) (one FMA, no cancellation in 1 + tanh(u) for negative x).
+template <class S>
 ANDREA_DEVICE float gelu(float x) {
     const float u = x * andrea_fma(kCubicCoef, x * x, kSqrt2OverPi);
-    const float t = andrea_tanh(u);
+    const float t = S::tanh(u);
     const float hx = 0.5f * x;
     return andrea_fma(hx, t, hx);
 }
@@ -104,6 +135,7 @@ ANDREA_DEVICE float gelu(float x) {
 struct F32 {
     typedef float T;
     static constexpr int kVec = 4;
+    static ANDREA_DEVICE float tanh(float u) { return tanh_accurate(u); }
     static ANDREA_DEVICE float load(T v) { return v; }
     static ANDREA_DEVICE T store(float f) { return f; }
     static ANDREA_DEVICE void unpack(const Vec16& v, float (&f)[kVec]) {
@@ -119,6 +151,7 @@ struct F32 {
 struct F16 {
     typedef unsigned short T;  // IEEE binary16 bit pattern (__half)
     static constexpr int kVec = 8;
+    static ANDREA_DEVICE float tanh(float u) { return andrea_tanh(u); }
     static ANDREA_DEVICE float load(T v) { return andrea_f16_to_f32(v); }
     static ANDREA_DEVICE T store(float f) { return andrea_f32_to_f16(f); }
     static ANDREA_DEVICE void unpack(const Vec16& v, float (&f)[kVec]) {
@@ -137,6 +170,7 @@ struct F16 {
 struct BF16 {
     typedef unsigned short T;  // bfloat16 bit pattern (__nv_bfloat16): the upper half of a float32
     static constexpr int kVec = 8;
+    static ANDREA_DEVICE float tanh(float u) { return andrea_tanh(u); }
     static ANDREA_DEVICE float load(T v) { return andrea_bits_to_f32((unsigned int)v << 16); }
     static ANDREA_DEVICE T store(float f) { return andrea_f32_to_bf16(f); }
     static ANDREA_DEVICE void unpack(const Vec16& v, float (&f)[kVec]) {
@@ -177,12 +211,12 @@ ANDREA_DEVICE void gelu_body(const typename S::T* __restrict__ x, const typename
     for (long long i = tid; i < head; i += nthreads) {
         float v = S::load(x[i]);
         if (HasBias) v += S::load(bias[(unsigned int)i % (unsigned int)bias_len]);
-        y[i] = S::store(gelu(v));
+        y[i] = S::store(gelu<S>(v));
     }
     for (long long i = tail + tid; i < n; i += nthreads) {
         float v = S::load(x[i]);
         if (HasBias) v += S::load(bias[(unsigned int)i % (unsigned int)bias_len]);
-        y[i] = S::store(gelu(v));
+        y[i] = S::store(gelu<S>(v));
     }
 
     const Vec16* __restrict__ xv = reinterpret_cast<const Vec16*>(x + head);
@@ -210,7 +244,7 @@ ANDREA_DEVICE void gelu_body(const typename S::T* __restrict__ x, const typename
                 }
             }
         }
-        for (int k = 0; k < V; ++k) f[k] = gelu(f[k]);
+        for (int k = 0; k < V; ++k) f[k] = gelu<S>(f[k]);
         const Vec16 out = S::pack(f);
         ANDREA_ST16(yv + v, out);
     }

@@ -5,6 +5,9 @@ against a CPU reference, then timed against a device-to-device copy of the same 
   v1  naive: one element per thread, float32 math with the libm tanhf (several instructions)
   v2  one element per thread, tanh.approx.f32 (one MUFU.TANH)
   v3  the production kernel (gelu_tanh.cu, included unchanged): 16-byte vectors, scalar head/tail
+  then float32 I/O, what the accurate tanh of the float32 entry points costs:
+  f32 accurate   the production gelu_tanh_f32 (polynomial / ex2.approx tanh, about 2^-22 relative)
+  f32 approx     the same kernel body with tanh.approx.f32 (the float32 entry points' earlier tanh)
 
 Compile (here, no GPU needed):
   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/gelu_lab plugins/gelu_tanh/gelu_tanh_lab.cu
@@ -52,7 +55,64 @@ __global__ void gelu_v1(const __half* x, int n, __half* y) {
 // ---- v2: scalar, tanh.approx ------------------------------------------------------------------------------
 __global__ void gelu_v2(const __half* x, int n, __half* y) {
     int i = blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < n) y[i] = __float2half(andrea::gelu(__half2float(x[i])));
+    if (i < n) y[i] = __float2half(andrea::gelu<andrea::F16>(__half2float(x[i])));
+}
+
+// ---- float32 with tanh.approx: the production body, only the tanh differs --------------------------------
+struct F32Approx : andrea::F32 {
+    static __device__ __forceinline__ float tanh(float u) { return andrea_tanh(u); }
+};
+__global__ void gelu_f32_approx(const float* x, int n, float* y) { andrea::gelu_body<F32Approx, false>(x, nullptr, n, 0, y); }
+
+// time one launch configuration: mean of `reps` launches, ms
+template <class F>
+static float time_ms(F launch_once, int reps) {
+    cudaEvent_t t0, t1;
+    CUDA_CHECK(cudaEventCreate(&t0));
+    CUDA_CHECK(cudaEventCreate(&t1));
+    launch_once();
+    CUDA_CHECK(cudaEventRecord(t0));
+    for (int r = 0; r < reps; ++r) launch_once();
+    CUDA_CHECK(cudaEventRecord(t1));
+    CUDA_CHECK(cudaEventSynchronize(t1));
+    float ms;
+    CUDA_CHECK(cudaEventElapsedTime(&ms, t0, t1));
+    return ms / reps;
+}
+
+// float32 I/O: both tanh variants on the same inputs, max relative error of y and time against a copy
+static void float32_section(int n, int block, int reps) {
+    std::vector<float> hx(n), hy(n);
+    for (int i = 0; i < n; ++i) hx[i] = 12.0f * rand() / RAND_MAX - 6.0f;
+    std::vector<double> ref(n);
+    gelu_cpu(hx, ref);
+    float *dx, *dy;
+    CUDA_CHECK(cudaMalloc(&dx, (size_t)n * 4 + 16));
+    CUDA_CHECK(cudaMalloc(&dy, (size_t)n * 4 + 16));
+    CUDA_CHECK(cudaMemcpy(dx, hx.data(), (size_t)n * 4, cudaMemcpyHostToDevice));
+    const int grid = n / (block * 4) + 1;
+    const float copy_ms = time_ms([&] { CUDA_CHECK(cudaMemcpyAsync(dy, dx, (size_t)n * 4, cudaMemcpyDeviceToDevice)); }, reps);
+    for (int v = 0; v < 2; ++v) {
+        auto launch_once = [&] {
+            if (v == 0) gelu_tanh_f32<<<grid, block>>>(dx, n, dy);
+            else gelu_f32_approx<<<grid, block>>>(dx, n, dy);
+        };
+        CUDA_CHECK(cudaMemset(dy, 0xff, (size_t)n * 4));  // NaN poison
+        launch_once();
+        CUDA_CHECK(cudaGetLastError());
+        CUDA_CHECK(cudaMemcpy(hy.data(), dy, (size_t)n * 4, cudaMemcpyDeviceToHost));
+        double max_abs = 0;
+        for (int i = 0; i < n; ++i) {
+            const double e = fabs(hy[i] - ref[i]);
+            if (e > max_abs || e != e) max_abs = e;
+        }
+        const float ms = time_ms(launch_once, reps);
+        printf("f32 %-8s  max_abs_err %.3g  %.1f us  %.0f GB/s  %.0f%% of D2D copy (%.1f us)\n",
+               v == 0 ? "accurate" : "approx", max_abs, ms * 1e3, 8.0 * n / (ms * 1e6), 100.0 * copy_ms / ms,
+               copy_ms * 1e3);
+    }
+    CUDA_CHECK(cudaFree(dx));
+    CUDA_CHECK(cudaFree(dy));
 }
 
 // ---- v3: production kernel -------------------------------------------------------------------------------
@@ -128,5 +188,6 @@ int main(int argc, char** argv) {
     }
     CUDA_CHECK(cudaFree(dx));
     CUDA_CHECK(cudaFree(dy));
+    if (version == 3) float32_section(n, block, reps);
     return 0;
 }

@@ -33,7 +33,11 @@ The TensorRT stand-in reads the ONNX graph an engine "was built from" (the fake 
 naming it and the optimization profiles) and reports what a strongly typed engine built from that graph
 reports: each I/O tensor's DataType from the graph (float32 / float16 / bfloat16 cache, int64 ids and mask,
 float32 logits), its shape with -1 for dynamic axes, and the profiles' min/opt/max. Execution runs the real
-graph through ONNX Runtime on the bytes at the bound addresses, viewed with the engine's dtypes. ONNX Runtime's
+graph through ONNX Runtime on the bytes at the bound addresses, viewed with the engine's dtypes. A plugin graph
+(each tanh-GELU a call of andrea.TanhGelu / TanhGeluBias, what a TensorRT build hands the builder) runs each call
+as the plugin kernel computes it (`kernel_error_model`): float32 math from the storage dtype, tanh off by the
+full relative error of the entry point that storage picks (plugin/reference.py's TANH_REL_ERR), one rounding
+back to the storage. ONNX Runtime's
 CPU provider has no bf16 kernels, so a bf16 graph runs as `precision.emulate_in_fp32` of itself: every op
 rounded to bf16, bf16 tensors widened exactly to float32 on the way in and narrowed (exactly: the values are
 already bf16-rounded) on the way out. The signatures follow cuda-python 12.x/13.x (every call returns a tuple
@@ -419,6 +423,66 @@ def numpy_dtype(dt: DataType):
             DataType.INT64: np.dtype(np.int64), DataType.BF16: np.dtype(_bf16())}[dt]
 
 
+def kernel_error_model(model, storage: str):
+    """`model` (an onnx.ModelProto with plugin calls) with every call inlined as the plugin kernel computes it
+    for `storage` ("float32" / "float16" / "bfloat16"): x (+ bias) in float32, u = sqrt(2/pi) x (1 + 0.044715 x^2),
+    t = tanh(u) (1 + TANH_REL_ERR[storage]) (every element off by the whole bound, the same way: the worst the
+    kernel's documented error allows), y = x/2 + x/2 t, rounded once to the storage. A GPU's error is spread
+    in sign; this one adds up, so an engine that passes here passes there."""
+    import onnx
+    import onnx.inliner
+    from onnx import TensorProto, helper
+
+    from andrea_export.plugin import GELU_BIAS_OP, PLUGIN_NAMESPACE
+    from andrea_export.plugin.reference import CUBIC, SQRT_2_OVER_PI, TANH_REL_ERR
+
+    def const(name: str, value: float):
+        return helper.make_node("Constant", [], [name], value=helper.make_tensor(name, TensorProto.FLOAT, [], [value]))
+
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    for i, f in enumerate(out.functions):
+        if f.domain != PLUGIN_NAMESPACE:
+            continue
+        with_bias = f.name == GELU_BIAS_OP
+        inputs = ["x", "bias"] if with_bias else ["x"]
+        nodes = [helper.make_node("Cast", ["x"], ["xf"], to=TensorProto.FLOAT)]
+        if with_bias:
+            nodes += [helper.make_node("Cast", ["bias"], ["bf"], to=TensorProto.FLOAT),
+                      helper.make_node("Add", ["xf", "bf"], ["v"])]  # the kernel adds in float32
+        v = "v" if with_bias else "xf"
+        nodes += [const("c0", SQRT_2_OVER_PI), const("c1", CUBIC * SQRT_2_OVER_PI), const("half", 0.5),
+                  const("err", 1.0 + TANH_REL_ERR[storage]),
+                  helper.make_node("Mul", [v, v], ["v2"]), helper.make_node("Mul", ["c1", "v2"], ["c1v2"]),
+                  helper.make_node("Add", ["c1v2", "c0"], ["poly"]), helper.make_node("Mul", [v, "poly"], ["u"]),
+                  helper.make_node("Tanh", ["u"], ["t_exact"]), helper.make_node("Mul", ["t_exact", "err"], ["t"]),
+                  helper.make_node("Mul", ["half", v], ["hx"]), helper.make_node("Mul", ["hx", "t"], ["hxt"]),
+                  helper.make_node("Add", ["hxt", "hx"], ["yf"]),
+                  helper.make_node("CastLike", ["yf", "x"], ["y"])]  # fmt: skip
+        body = helper.make_function(f.domain, f.name, inputs, ["y"], nodes, [helper.make_opsetid("", 20)])
+        out.functions[i].CopyFrom(body)
+    return onnx.inliner.inline_local_functions(out)
+
+
+def plugin_storage(model) -> str | None:
+    """The storage dtype of the graph's plugin calls ("float32" / "float16" / "bfloat16"), None without any."""
+    import onnx
+    from onnx import TensorProto
+
+    from andrea_export.plugin import PLUGIN_NAMESPACE
+
+    calls = [n for n in model.graph.node if n.domain == PLUGIN_NAMESPACE]
+    if not calls:
+        return None
+    typed = onnx.shape_inference.infer_shapes(model, strict_mode=False).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in list(typed.value_info) + list(typed.input)}
+    kinds = {types.get(n.input[0]) for n in calls}
+    names = {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.BFLOAT16: "bfloat16"}
+    if len(kinds) != 1 or next(iter(kinds)) not in names:
+        raise ValueError(f"plugin calls on {kinds}: one storage dtype of {list(names.values())} expected")
+    return names[kinds.pop()]
+
+
 def write_plan(path: str | Path, onnx_path: str | Path, profiles: list[dict], *, fail_capture: bool = False) -> Path:
     """A fake engine file: the graph it was "built" from and its optimization profiles. `fail_capture`:
     its enqueue fails while a stream is being captured (an engine that cannot be captured)."""
@@ -451,6 +515,8 @@ def fake_tensorrt(cudart: FakeCudart) -> types.SimpleNamespace:
                 self._dtype[v.name] = onnx_to_trt[tt.elem_type]
                 self._shape[v.name] = tuple(d.dim_value if d.HasField("dim_value") else -1 for d in tt.shape.dim)
             self.bf16 = DataType.BF16 in self._dtype.values()
+            if storage := plugin_storage(model):  # what TensorRT builds a plugin call into: the kernel, with its error
+                model = kernel_error_model(model, storage)
             runnable = emulate_in_fp32(model) if self.bf16 else model  # ORT's CPU provider has no bf16 kernels
             self.ort = ort.InferenceSession(runnable.SerializeToString(), providers=["CPUExecutionProvider"])
             self.num_io_tensors = len(self.inputs) + len(self.outputs)

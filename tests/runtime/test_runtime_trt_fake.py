@@ -367,6 +367,19 @@ def test_the_runtimes_dtype_map_on_tensorrts_datatype():  # the stand-ins' DataT
 # --- the build's check of the decoder engine -----------------------------------------------------------
 
 @pytest.fixture(scope="module")
+def plugin_graphs(graphs, tmp_path_factory):
+    """What a TensorRT build hands the builder for the decoder engine: each precision's decoder with every tanh-GELU
+    a plugin call (fused with its bias Add too, as `build --fuse-bias` writes it). The fake engine runs the calls
+    as the kernel computes them, with its tanh's error."""
+    from andrea_export.graphs.gelu_plugin import apply_gelu_plugin
+
+    d = tmp_path_factory.mktemp("plugin")
+    out = {p: apply_gelu_plugin(g, d / f"decoder.{p}.plugin.onnx").path for p, g in graphs.items()}
+    out["fp32-bias"] = apply_gelu_plugin(graphs["fp32"], d / "decoder.fp32.bias.plugin.onnx", fuse_bias=True).path
+    return out
+
+
+@pytest.fixture(scope="module")
 def wrong_graphs(graphs, tmp_path_factory):
     """Each precision's decoder with one block's weights disturbed: an engine that decodes wrongly without an error."""
     from onnx import numpy_helper
@@ -442,17 +455,37 @@ def gate_only(monkeypatch):
 
 
 @pytest.mark.parametrize("precision", FLOAT_PRECISIONS)  # int8/int4 engines: Q/DQ graphs, not run by the fake
-def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gate_only, graphs, wrong_graphs,
-                                                                      lively_model, tmp_path, precision):
+def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, gate_only, graphs, plugin_graphs,
+                                                                      wrong_graphs, lively_model, tmp_path, precision):
     """verify_folder on a GPU host: the decoder engine's checks through TrtSession gate the build's status in
-    every precision, on both of the runtime's paths (CUDA graph and uncaptured), each with its boundary."""
-    right, engine = _gate(tmp_path / "right", graphs[precision], graphs[precision], lively_model, precision)
+    every precision, on both of the runtime's paths (CUDA graph and uncaptured), each with its boundary. The right
+    engine is built from the plugin graph, as TensorRT's is, and runs the kernel's tanh with its error."""
+    right, engine = _gate(tmp_path / "right", graphs[precision], plugin_graphs[precision], lively_model, precision)
     assert right == "passed" and engine["passed"] and set(engine["paths"]) == {"cuda_graph", "uncaptured"}
     for r in engine["paths"].values():
         assert r["passed"] and r["greedy"]["steps"] == 16 and set(r["boundary"]) == {"prefill_n", "past_n-2_n-1"}
     assert engine["paths"]["cuda_graph"]["captured"] is True and engine["paths"]["cuda_graph"]["capture_error"] is None
     wrong, engine = _gate(tmp_path / "wrong", graphs[precision], wrong_graphs[precision], lively_model, precision)
     assert wrong == "failed" and not engine["passed"]
+    _closed_clean(device)
+
+
+def test_the_fp32_gate_passes_the_plugin_kernel_and_would_fail_tanh_approx_in_its_fp32_entry_points(
+        device, gate_only, graphs, plugin_graphs, lively_model, tmp_path, monkeypatch):
+    """An fp32 engine is held to fp32's 1e-4 on the logits. Its plugin calls run the float32 entry points, whose
+    tanh is float32-accurate (2^-20): the engine passes, bias-fused calls too. With tanh.approx there (2^-10.9, the
+    kernel's float32 numerics before), the same correct engine fails the gate: the verdict would have been
+    wrong on a GPU host, and this stand-in sees it on a CPU."""
+    from andrea_export.plugin import reference
+
+    for name in ("fp32", "fp32-bias"):
+        status, engine = _gate(tmp_path / name, graphs["fp32"], plugin_graphs[name], lively_model, "fp32")
+        assert status == "passed" and engine["passed"], name
+    monkeypatch.setitem(reference.TANH_REL_ERR, "float32", reference.TANH_APPROX_REL_ERR)
+    status, engine = _gate(tmp_path / "approx", graphs["fp32"], plugin_graphs["fp32"], lively_model, "fp32")
+    assert status == "failed" and not engine["passed"]
+    worst = max(b["max_abs"] for r in engine["paths"].values() for b in r["boundary"].values())
+    assert worst > 1e-4  # tanh.approx's error alone moves the logits past fp32's bound
     _closed_clean(device)
 
 
