@@ -1,12 +1,14 @@
 """The one script a GPU host runs for the tanh-GELU plugin and the TensorRT engines, section by section:
 
-  kernel compile      NVRTC (pinned) compiles the kernel for this GPU (sm_80 PTX without one)
+  kernel compile      NVRTC (the pinned wheel's, else the CUDA toolkit's) compiles the kernel for this GPU (sm_80
+                      PTX without one)
   driver              the driver's CUDA version (cuDriverGetVersion) loads that PTX ISA (register.py's check)
   PTX load            CuPy loads the PTX through the driver, which JIT-compiles it
   <dtype> <variant>   correctness for float32 / float16 / bfloat16, plain and bias variants, odd lengths,
                       misaligned offsets, NaN-poisoned outputs: against the float64 reference with the GPU
                       error bound and against torch's gelu(approximate="tanh")
   speed fp16          64M fp16 elements: ours vs torch's GELU vs a device-to-device copy (goal >= 90 % of copy)
+  speed fp32          the same in float32, whose tanh is the accurate one (ex2 and a reciprocal, not one MUFU.TANH)
   PyTorch eager       prefill of the model in fp16 with CUDA events (the baseline of the TensorRT goal)
   plugin engine       `andrea-export build` fp16 with TensorRT and the plugin, verified (Polygraphy's TensorRT
                       runner; the KV-cache decoder through the runtime's TensorRT session)
@@ -22,7 +24,13 @@ Every section is isolated: an exception gives a FAIL row with the error (traceba
 section runs; a section that cannot run here (no GPU, no TensorRT, or a section it needs did not finish)
 gives a SKIP row with the reason. Each row is printed when it finishes and appended to a JSON-lines file
 (--jsonl), so a run cut short keeps what it measured. On a machine without a GPU every section runs as far
-as the CPU allows (the kernel compiles; the rest says why it stops) and the script exits 0.
+as the CPU allows (the kernel compiles, or says which NVRTC is missing; the rest says why it stops) and the
+script exits 0.
+
+A bare GPU host (the driver, the CUDA toolkit, PyTorch, CuPy, numpy, onnx, onnxruntime; no TensorRT, none of
+the build's tools such as click or rich, this package not pip-installed) runs it from a plain checkout: nothing
+of the package is imported before the first section, each section imports only what it uses, and the TensorRT
+sections check for TensorRT before they import the build; see benchmarks/README.md ("GPU checks").
 
 Time budget (--budget, default 540 s: a 10-minute window on one GPU, less a minute for start-up and copying
 results): a section starts only when its estimated cost fits in what is left, else it is skipped with the
@@ -35,12 +43,14 @@ guesses for ANDREA-120M on one H100/H200-class GPU, not yet measured there; --ti
 
 Exit status: 0 when no row is FAIL (SKIP and SLOW rows do not fail the run), 1 otherwise.
 
-    python benchmarks/gpu_checks.py [--budget 540] [--tiny] [--n 67108864] [--jsonl bench-out/gpu_checks.jsonl]
+    PYTHONPATH=. python benchmarks/gpu_checks.py [--budget 540] [--tiny] [--n 67108864]
+        [--jsonl bench-out/gpu_checks.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import signal
 import sys
@@ -51,6 +61,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # a plain checkout: the package beside this folder
 
 COPY_GOAL_PCT = 90.0
 DEFAULT_BUDGET_S = 540
@@ -148,10 +159,16 @@ def _alarm(signum: int, frame: Any) -> None:
 
 
 def kernel_compile(c: Checks) -> Any:
+    from andrea_export.errors import MissingDependency
     from andrea_export.plugin.compile import best_arch, compile_ptx, detect_compute_capability
 
     cc = detect_compute_capability()
-    k = compile_ptx(best_arch(cc))
+    try:
+        k = compile_ptx(best_arch(cc))
+    except MissingDependency as e:  # no NVRTC: a CPU machine skips; a GPU host, there to check the kernel, fails
+        if cc is None:
+            raise Skip(str(e)) from None
+        raise
     where = f"GPU sm_{cc[0]}{cc[1]}" if cc else "no GPU: the portable sm_80"
     c.row("kernel compile", "kernel compile", "ok", f"{k.arch} ({where}), PTX ISA {k.ptx_isa}, NVRTC {k.nvrtc_version}, "
           f"needs {k.driver_floor}; {len(k.entry_points)} entry points")  # fmt: skip
@@ -179,6 +196,17 @@ def _gpu() -> tuple[Any, Any]:
         raise Skip(str(e)) from None
 
 
+def _torch_gpu() -> Any:
+    """torch with a CUDA GPU, or Skip: what PyTorch's own timings need (not CuPy, which only loads our PTX)."""
+    try:
+        import torch
+    except ImportError as e:
+        raise Skip(f"needs PyTorch ({e})") from None
+    if not torch.cuda.is_available():
+        raise Skip("no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU host")
+    return torch
+
+
 def ptx_load(c: Checks) -> Any:
     from gelu_kernel import load
 
@@ -204,35 +232,49 @@ def speed(n: int) -> Callable[[Checks], Any]:
         from gelu_kernel import bench
 
         torch, cupy = _gpu()
-        b = bench(torch, cupy, c.results["PTX load"], n=n)
-        c.row("kernel speed", "speed fp16", "ok" if b["pct_of_copy"] >= COPY_GOAL_PCT else "SLOW",
-              f"{b['n']} elems: ours {b['ours_us']:.1f} us ({b['ours_GBps']:.0f} GB/s), torch gelu "
-              f"{b['torch_gelu_us']:.1f} us, D2D copy {b['copy_us']:.1f} us; {b['pct_of_copy']:.0f}% of copy "
-              f"(goal >= {COPY_GOAL_PCT:.0f}%)")  # fmt: skip
-        return b
+        out = {}
+        for dtype, label in (("float16", "fp16"), ("float32", "fp32")):
+            b = out[label] = bench(torch, cupy, c.results["PTX load"], n=n, dtype=dtype)
+            c.row("kernel speed", f"speed {label}", "ok" if b["pct_of_copy"] >= COPY_GOAL_PCT else "SLOW",
+                  f"{b['n']} elems: ours {b['ours_us']:.1f} us ({b['ours_GBps']:.0f} GB/s), torch gelu "
+                  f"{b['torch_gelu_us']:.1f} us, D2D copy {b['copy_us']:.1f} us; {b['pct_of_copy']:.0f}% of copy "
+                  f"(goal >= {COPY_GOAL_PCT:.0f}%)")  # fmt: skip
+        return out
 
     return run
 
 
 class Plan:
-    """What the model-level sections use: the model size and the prefill shape timed."""
+    """What the model-level sections use: the model size and the prefill shape timed. The package is imported
+    by the sections that read it, never before the first row (an import that fails is then a section's row)."""
 
     def __init__(self, tiny: bool):
+        self.tiny = tiny
+        self.batch, self.seq = (2, 64) if tiny else (8, 512)
+
+    @functools.cached_property
+    def cfg(self) -> Any:
         from andrea_export.config import ANDREA_120M, ANDREA_TINY
 
-        self.cfg = ANDREA_TINY if tiny else ANDREA_120M
-        self.batch, self.seq = (2, 64) if tiny else (8, 512)
-        top = self.cfg.n_positions
-        self.profile = f"batch=1:{self.batch}:{self.batch},seq=1:{self.seq}:{top}"
-        self.name = f"{self.cfg.name} fp16, prefill {self.batch}x{self.seq}"
+        return ANDREA_TINY if self.tiny else ANDREA_120M
+
+    @property
+    def profile(self) -> str:
+        return f"batch=1:{self.batch}:{self.batch},seq=1:{self.seq}:{self.cfg.n_positions}"
+
+    @property
+    def name(self) -> str:
+        return f"{self.cfg.name} fp16, prefill {self.batch}x{self.seq}"
 
 
 def torch_eager(plan: Plan) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
-        from andrea_export.model.checkpoint import random_init
+        from andrea_export.model.andrea import Andrea
 
-        model = random_init(plan.cfg, announce=False)  # what a CPU can do; the GPU part starts here
-        torch, _ = _gpu()
+        # torch's own initialisation: the time does not depend on the weights, and checkpoint.random_init would
+        # import the build's tools (rich), which a bare GPU host has not got
+        model = Andrea(plan.cfg)  # what a CPU can do; the GPU part starts here
+        torch = _torch_gpu()
         model = model.half().cuda().eval()
         ids = torch.randint(0, plan.cfg.vocab_size, (plan.batch, plan.seq), device="cuda")
         times = []
@@ -267,13 +309,14 @@ def _tensorrt_here() -> None:
 def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
         from andrea_export.engine.profiles import Profiles, parse_profiles
-        from andrea_export.pipeline import BuildOptions, run_build
 
         for p in parse_profiles(plan.profile, Profiles.for_model(plan.cfg)):  # a bad profile fails here, not on the GPU
             p.check(plan.cfg.n_positions)
+        _tensorrt_here()  # before the build's own imports (rich, Polygraphy, ...), which a bare GPU host has not got
+        from andrea_export.pipeline import BuildOptions, run_build
+
         opts = BuildOptions(config=plan.cfg.name, builder="tensorrt", precision="fp16", profiles=plan.profile,
                             out=str(workdir / "plugin-fp16"), greedy_steps=16)  # fmt: skip
-        _tensorrt_here()
         m = run_build(opts, force=True)
         b = m["builder"]
         c.row("plugin engine", "build+verify plugin fp16", "ok" if m["status"] == "passed" else "FAIL",
@@ -309,9 +352,9 @@ def quantized_engines(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     positive int4 scales; engine/onnx_rules.py checks them on the CPU, this proves TensorRT takes them) and
     the engines verified on this GPU, the decoder's gate included."""
     def run(c: Checks) -> Any:
+        _tensorrt_here()  # before the build's own imports, as plugin_engine
         from andrea_export.pipeline import BuildOptions, run_build
 
-        _tensorrt_here()
         out = {}
         for precision in ("int8", "int4"):
             opts = BuildOptions(config=plan.cfg.name, builder="tensorrt", precision=precision, profiles=plan.profile,
@@ -395,7 +438,7 @@ def session_reload(c: Checks) -> Any:
             sess.generate([1, 2, 3], 4)
         frees.append(free_bytes())
     drift = frees[0] - frees[-1]
-    c.row("session reload", "20 TensorRT session load/close cycles", "ok" if drift <= 16 << 20 else "LEAK",
+    c.row("session reload", "20 TensorRT session load/close cycles", "ok" if drift <= 16 << 20 else "FAIL",
           f"free device memory after cycle 1 {frees[0] / 2**20:,.0f} MiB, after cycle 20 {frees[-1] / 2**20:,.0f} MiB "
           f"(drift {drift / 2**20:+.1f} MiB; goal <= 16 MiB)")
     return drift
@@ -408,7 +451,7 @@ def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     c.section("driver", driver, 1, needs=("kernel compile",))
     c.section("PTX load", ptx_load, 15)
     c.section("kernel correctness", correctness, 45, needs=("PTX load",))
-    c.section("kernel speed", speed(n), 20, needs=("PTX load",))
+    c.section("kernel speed", speed(n), 30, needs=("PTX load",))
     c.section("PyTorch eager", torch_eager(plan), 30 * big)
     c.section("plugin engine", plugin_engine(plan, workdir), 240 * big)  # two TensorRT builds + verification
     c.section("native engine", native_engine(plan, workdir), 90 * big, needs=("plugin engine",))

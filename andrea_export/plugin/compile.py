@@ -6,7 +6,8 @@ of its own CUDA release, so this PTX needs an **R580 driver (CUDA 13.0) or newer
 floor of the TensorRT cu13 stack, so it costs nothing there. NVRTC 13.5 would write ISA 9.5 (refused by
 R580); for older drivers (TensorRT 10.x on R535..R575) point `ANDREA_NVRTC` (or `nvrtc=`) at the
 libnvrtc of an `nvidia-cuda-nvrtc-cu12==12.x` wheel: the result records the ISA and driver floor of
-whatever compiled it. See plugins/gelu_tanh/README.md ("PTX, NVRTC and drivers").
+whatever compiled it. See plugins/gelu_tanh/README.md ("PTX, NVRTC and drivers"). Without a wheel, a
+CUDA toolkit's libnvrtc is used (find_nvrtc: a GPU host with the toolkit and no pip install).
 
 Targets: one PTX per architecture in TARGET_ARCHS (`-arch=compute_XX`, `.target sm_XX`). The PTX is not
 the same for all: NVRTC 13.0 generates sm_100/sm_120 PTX with its newer NVVM backend. An engine embeds
@@ -28,6 +29,9 @@ import importlib.util
 import json
 import os
 import re
+import shutil
+import subprocess
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -250,7 +254,9 @@ def _wheel_version(library: Path) -> str:
 
 
 def find_nvrtc() -> Path | None:
-    """libnvrtc from the pinned wheel (nvidia/cu13/lib), else from a cu12 wheel (nvidia/cuda_nvrtc/lib)."""
+    """libnvrtc from the pinned wheel (nvidia/cu13/lib), else from a cu12 wheel (nvidia/cuda_nvrtc/lib), else a CUDA
+    toolkit's: $CUDA_HOME, $CUDA_PATH, /usr/local/cuda, the loader's cache (ldconfig -p), cuda-pathfinder (which
+    cuda-bindings brings). A GPU host often has the toolkit and no NVRTC wheel."""
     spec = importlib.util.find_spec("nvidia")
     roots = list(spec.submodule_search_locations or []) if spec else []
     for pattern in ("cu13/lib/libnvrtc.so.13", "cuda_nvrtc/lib/libnvrtc.so.12"):
@@ -258,14 +264,53 @@ def find_nvrtc() -> Path | None:
             hits = sorted(glob.glob(os.path.join(root, pattern)))
             if hits:
                 return Path(hits[0])
-    return None
+    toolkits = [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH"), "/usr/local/cuda"]
+    for toolkit in filter(None, toolkits):
+        for lib in ("lib64", "lib", "targets/*/lib"):
+            for folder in sorted(glob.glob(os.path.join(toolkit, lib))):
+                found = _nvrtc_in(Path(folder).glob("libnvrtc.so*"))
+                if found:
+                    return found
+    try:
+        ldconfig = shutil.which("ldconfig") or "/sbin/ldconfig"  # /sbin is not on every user's PATH
+        cache = subprocess.run([ldconfig, "-p"], capture_output=True, text=True, timeout=10, check=False).stdout
+    except (OSError, subprocess.SubprocessError):
+        cache = ""
+    return _nvrtc_in_ldconfig(cache) or _nvrtc_of_pathfinder()
+
+
+def _nvrtc_in(paths: Iterable[str | os.PathLike[str]]) -> Path | None:
+    """The libnvrtc.so.<major> among `paths` (the highest major), else plain libnvrtc.so; never the .alt build nor
+    libnvrtc-builtins."""
+    named = {Path(p).name: Path(p) for p in paths}
+    sonames = [n for n in named if re.fullmatch(r"libnvrtc\.so\.\d+", n)]
+    if sonames:
+        return named[max(sonames, key=lambda n: int(n.rsplit(".", 1)[1]))]
+    return named.get("libnvrtc.so")
+
+
+def _nvrtc_in_ldconfig(listing: str) -> Path | None:
+    """libnvrtc in `ldconfig -p`'s listing, whose lines read "libnvrtc.so.13 (libc6,x86-64) => /path/libnvrtc.so.13"."""
+    return _nvrtc_in(m.group(1) for m in re.finditer(r"^\s*libnvrtc\S*\s.*=>\s*(\S+)\s*$", listing, re.M))
+
+
+def _nvrtc_of_pathfinder() -> Path | None:
+    """Where cuda-pathfinder (cuda-bindings' library finder) loads libnvrtc from, if it is installed and finds one."""
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib  # type: ignore[import-not-found,unused-ignore]
+
+        path = load_nvidia_dynamic_lib("nvrtc").abs_path
+    except Exception:  # noqa: BLE001: not installed, or no NVRTC where it looks: not found
+        return None
+    return Path(path) if path else None
 
 
 _LOADED: dict[Path, Nvrtc] = {}
 
 
 def load_nvrtc(library: str | os.PathLike[str] | None = None) -> Nvrtc:
-    """Load NVRTC: `library` (a libnvrtc.so file or its folder), else $ANDREA_NVRTC, else the wheel."""
+    """Load NVRTC: `library` (a libnvrtc.so file or its folder), else $ANDREA_NVRTC, else find_nvrtc's (a wheel's, else
+    a CUDA toolkit's)."""
     chosen = library if library is not None else os.environ.get("ANDREA_NVRTC") or None
     if chosen is not None:
         path = Path(chosen)
@@ -279,7 +324,8 @@ def load_nvrtc(library: str | os.PathLike[str] | None = None) -> Nvrtc:
     else:
         found = find_nvrtc()
         if found is None:
-            raise MissingDependency(_missing_message("the nvidia-cuda-nvrtc wheel", "not installed"))
+            where = "the nvidia-cuda-nvrtc wheel or a CUDA toolkit ($CUDA_HOME, $CUDA_PATH, /usr/local/cuda, ldconfig)"
+            raise MissingDependency(_missing_message(where, "not found"))
         path = found
     path = path.resolve()
     if path not in _LOADED:

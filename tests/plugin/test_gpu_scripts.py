@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import py_compile
 import shutil
 import subprocess
@@ -126,3 +127,181 @@ def test_kernel_lab_builds(tmp_path):
     proc = subprocess.run(["nvcc", "-O3", "-std=c++17", "-arch=sm_90", "-o", str(tmp_path / "lab"), str(src)],
                           capture_output=True, text=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr
+
+
+def test_session_reload_keeps_its_figures_when_memory_leaks(tmp_path, monkeypatch):
+    """The reload section's row for a leak is a FAIL row (a status the script knows) with the figures; a steady
+    run is ok. A fake session and cudaMemGetInfo: what is checked is the row, not TensorRT."""
+    import contextlib
+
+    from andrea_export import runtime
+    from andrea_export.runtime import trt
+
+    free = [1000 << 20]
+
+    @contextlib.contextmanager
+    def load(folder, backend):
+        assert backend == "tensorrt"
+        yield type("Session", (), {"generate": lambda self, ids, n: ids})()
+        free[0] -= step  # what this cycle kept
+
+    class Cudart:
+        def cudaMemGetInfo(self):
+            return 0, free[0], 80 << 30
+
+    monkeypatch.setattr(runtime, "load", load)
+    monkeypatch.setattr(trt, "_cudart", Cudart)
+    rows = {}
+    for step in (2 << 20, 0):  # 2 MiB a cycle: 38 MiB from cycle 1 to cycle 20; then none
+        gc, c = _checks(tmp_path)
+        c.results["plugin engine"] = (tmp_path, {})
+        c.section("session reload", gc.session_reload, 1)
+        assert len(c.rows) == 1
+        rows[step] = c.rows[0]
+    leak, steady = rows[2 << 20], rows[0]
+    assert leak["status"] == "FAIL", leak
+    assert leak["detail"].startswith("free device memory after cycle 1 998 MiB, after cycle 20 960 MiB "
+                                     "(drift +38.0 MiB")  # fmt: skip
+    assert steady["status"] == "ok" and "(drift +0.0 MiB; goal <= 16 MiB)" in steady["detail"]
+
+
+def test_kernel_compile_without_nvrtc_skips_without_a_gpu_and_fails_with_one(tmp_path, monkeypatch):
+    """No NVRTC anywhere: on a machine without a GPU the kernel compile is a SKIP row that says what to install;
+    on a GPU host, where the kernel sections are what the run is for, a FAIL row."""
+    from andrea_export.plugin import compile as compile_mod
+
+    monkeypatch.delenv("ANDREA_NVRTC", raising=False)
+    monkeypatch.setattr(compile_mod, "find_nvrtc", lambda: None)
+    got = {}
+    for cc in (None, (9, 0)):
+        monkeypatch.setattr(compile_mod, "detect_compute_capability", lambda device=0, cc=cc: cc)
+        gc, c = _checks(tmp_path)
+        c.section("kernel compile", gc.kernel_compile, 10)
+        got[cc] = c.rows[0]
+    assert got[None]["status"] == "SKIP", got[None]
+    assert got[None]["detail"].startswith("Compiling the tanh-GELU plugin kernel needs NVRTC (libnvrtc)")
+    assert got[(9, 0)]["status"] == "FAIL" and "needs NVRTC" in got[(9, 0)]["detail"]
+
+
+def test_pytorch_eager_needs_no_cupy(tmp_path, monkeypatch):
+    """The PyTorch baseline times torch alone: without CuPy it still goes on to the GPU (here a CPU build of torch,
+    told that a GPU is there, stops at moving the model onto it; on a GPU host it times the model)."""
+    monkeypatch.setitem(sys.modules, "cupy", None)  # not installed
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gc, c = _checks(tmp_path)
+    c.section("PyTorch eager", gc.torch_eager(gc.Plan(tiny=True)), 30)
+    r = c.rows[0]
+    assert "CuPy" not in r["detail"] and r["status"] != "SKIP", r
+
+
+def test_nvrtc_of_the_cuda_toolkit(tmp_path, monkeypatch):
+    """Without an NVRTC wheel, the CUDA toolkit's libnvrtc: $CUDA_HOME, then $CUDA_PATH (lib64, lib or
+    targets/<arch>/lib), then /usr/local/cuda, then the loader's cache (ldconfig -p)."""
+    from andrea_export.plugin import compile as compile_mod
+
+    monkeypatch.setitem(sys.modules, "nvidia", None)  # no nvidia-cuda-nvrtc wheel
+    monkeypatch.setitem(sys.modules, "cuda", None)  # no cuda-pathfinder
+    home, path = tmp_path / "home", tmp_path / "path"
+    (home / "lib64").mkdir(parents=True)
+    (path / "targets" / "x86_64-linux" / "lib").mkdir(parents=True)
+    lib = path / "targets" / "x86_64-linux" / "lib" / "libnvrtc.so.13"
+    lib.write_bytes(b"")
+    for name in ("libnvrtc.so", "libnvrtc.alt.so.13", "libnvrtc-builtins.so.13.0"):  # not the library to load
+        (path / "targets" / "x86_64-linux" / "lib" / name).write_bytes(b"")
+    monkeypatch.setenv("CUDA_HOME", str(home))  # a toolkit without NVRTC: the search goes on
+    monkeypatch.setenv("CUDA_PATH", str(path))
+    assert compile_mod.find_nvrtc() == lib
+    (home / "lib64" / "libnvrtc.so.12").write_bytes(b"")
+    assert compile_mod.find_nvrtc() == home / "lib64" / "libnvrtc.so.12"
+    ldconfig = ("1234 libs found in cache `/etc/ld.so.cache'\n"
+                "\tlibnvrtc.so.13 (libc6,x86-64) => /opt/cuda-13/lib64/libnvrtc.so.13\n"
+                "\tlibnvrtc.alt.so.13 (libc6,x86-64) => /opt/cuda-13/lib64/libnvrtc.alt.so.13\n"
+                "\tlibnvrtc-builtins.so.13.0 (libc6,x86-64) => /opt/cuda-13/lib64/libnvrtc-builtins.so.13.0\n"
+                "\tlibnvrtc.so (libc6,x86-64) => /opt/cuda-13/lib64/libnvrtc.so\n")  # fmt: skip
+    assert compile_mod._nvrtc_in_ldconfig(ldconfig) == Path("/opt/cuda-13/lib64/libnvrtc.so.13")
+    assert compile_mod._nvrtc_in_ldconfig("0 libs found in cache `/etc/ld.so.cache'\n") is None
+
+
+def _bare_host_modules() -> list[str]:
+    """The top-level modules a bare GPU host lacks: every installed one whose distribution is not numpy, torch,
+    onnx, onnxruntime (or what they need), nor pip's own; plus TensorRT, CuPy and cuda-python, and the NVRTC wheel
+    (`nvidia`: the host's NVRTC is its CUDA toolkit's), whether installed here or not."""
+    import importlib.metadata
+    import re
+
+    from packaging.requirements import Requirement
+
+    def norm(name: str) -> str:
+        return re.sub(r"[-_.]+", "-", name).lower()
+
+    keep, todo = set(), ["numpy", "torch", "onnx", "onnxruntime", "pip", "setuptools", "wheel"]
+    while todo:
+        name = norm(todo.pop())
+        if name in keep:
+            continue
+        keep.add(name)
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for r in map(Requirement, requires):
+            if r.marker is None or r.marker.evaluate({"extra": ""}):
+                todo.append(r.name)
+    blocked = {m for m, dists in importlib.metadata.packages_distributions().items()
+               if not keep & {norm(d) for d in dists} and m.isidentifier() and m != "andrea_export"}  # fmt: skip
+    return sorted(blocked | {"tensorrt", "tensorrt_rtx", "cupy", "cuda", "nvidia", "pydantic", "jsonschema"})
+
+
+BARE_HOST = r"""
+import runpy, sys
+
+for name in sys.argv[1].split(","):  # not installed: an import fails, importlib.util.find_spec answers None
+    sys.modules[name] = None
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]  # not pip-installed
+sys.argv = sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run benchmarks/gpu_checks.py itself")
+@pytest.mark.parametrize("pythonpath", [True, False], ids=["PYTHONPATH=checkout", "no-PYTHONPATH"])
+def test_gpu_checks_on_a_bare_host(tmp_path, pythonpath):
+    """A bare GPU host has the driver, the CUDA toolkit (its NVRTC), PyTorch, CuPy, numpy, onnx and onnxruntime,
+    none of the build's tools (click, rich, Polygraphy, TensorRT, ...), and a plain checkout, not pip-installed (the
+    README's command puts it on PYTHONPATH; the script finds it beside itself without). Here, without a GPU: the
+    kernel compiles with the toolkit's NVRTC, every other section is a SKIP row with its reason (no missing module
+    among them) and the run exits 0."""
+    from andrea_export.plugin.compile import find_nvrtc
+
+    blocked = _bare_host_modules()
+    assert {"click", "rich", "polygraphy", "safetensors", "tokenizers", "matplotlib", "nvidia"} <= set(blocked)
+    wheel = find_nvrtc()
+    if wheel is None:
+        pytest.skip("needs the NVRTC wheel, to stand in for a CUDA toolkit's")
+    toolkit = tmp_path / "cuda" / "lib64"  # a toolkit's layout, holding the wheel's NVRTC
+    toolkit.mkdir(parents=True)
+    for lib in (wheel, *wheel.parent.glob("libnvrtc-builtins.so.*")):
+        try:
+            (toolkit / lib.name).hardlink_to(lib)  # not a symlink: the library's folder must be the toolkit's
+        except OSError:
+            shutil.copy(lib, toolkit / lib.name)
+    jsonl = tmp_path / "rows.jsonl"
+    env = {k: v for k, v in os.environ.items() if k not in ("ANDREA_NVRTC", "CUDA_PATH", "PYTHONPATH")}
+    env.update(CUDA_HOME=str(tmp_path / "cuda"), ANDREA_PTX_CACHE=str(tmp_path / "ptx"))
+    if pythonpath:
+        env["PYTHONPATH"] = str(ROOT)
+    args = [str(ROOT / "benchmarks" / "gpu_checks.py"), "--tiny", "--jsonl", str(jsonl)]
+    proc = subprocess.run([sys.executable, "-c", BARE_HOST, ",".join(blocked), *args], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert [r["section"] for r in rows] == SECTIONS, proc.stdout
+    status = {r["section"]: r["status"] for r in rows}
+    why = {r["section"]: r["detail"] for r in rows}
+    assert status["kernel compile"] == "ok", why["kernel compile"]
+    assert "NVRTC 13.0, needs" in why["kernel compile"]  # the toolkit's library (a wheel's would name the wheel)
+    assert all(status[s] == "SKIP" and why[s] for s in SECTIONS[1:]), proc.stdout
+    assert not [r for r in rows if "No module named" in r["detail"]], proc.stdout
+    assert why["PyTorch eager"] == "no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU host"
+    assert why["plugin engine"].startswith("TensorRT is not installed")
+    assert why["quantized engines"].startswith("TensorRT is not installed")
