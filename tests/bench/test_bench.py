@@ -659,3 +659,65 @@ def test_issue_24_goals_on_synthetic_rows():
     best = next(x for n, x in g.items() if "fastest accurate" in n)
     # batch 1: ours-openvino 800 ms beats 900; batch 8: ort-cpu 2000 ms loses to 1900: the worst is 0.95
     assert best["value"] == pytest.approx(1900 / 2000) and best["met"] is False and "ours ort-cpu" in best["detail"]
+
+
+@pytest.fixture(scope="module")
+def fp16_decoder(tiny_model, tmp_path_factory):
+    from andrea_export.graphs.kvcache import export_decoder_onnx
+    from andrea_export.graphs.precision import convert_precision
+
+    d = tmp_path_factory.mktemp("fp16-decoder")
+    return convert_precision(export_decoder_onnx(tiny_model, d / "decoder.onnx", quiet=True), d / "decoder.fp16.onnx",
+                             "fp16")  # fmt: skip
+
+
+def _fake_trt_backend(tmp_path, graph, monkeypatch, stream_ok=True):
+    """The bench's TensorRT backend over the strict TensorRT stand-in (tests/runtime), its decoder engine "built"
+    from `graph` with both profiles; on the CPU (device "cpu"), its stream a fake CUDA stream."""
+    import types
+
+    monkeypatch.syspath_prepend(str(Path(__file__).parents[1] / "runtime"))
+    from fake_cuda import FakeCudart, fake_tensorrt, write_plan
+
+    from andrea_export.graphs.kvcache import optimization_profiles
+    from andrea_export.graphs.layout import read_kv_layout
+
+    cudart = FakeCudart()
+    plan = write_plan(tmp_path / "decoder.plan", graph, optimization_profiles(read_kv_layout(graph)))
+    backend = bench.TrtBackend("plugin", {"decode": plan})
+    trt = fake_tensorrt(cudart)
+    backend.trt, backend.runtime, backend._engines, backend.device = trt, trt.Runtime(trt.Logger()), {}, "cpu"
+    backend.cfg = ANDREA_TINY
+    handle = 0xDEAD  # no stream of this device: TensorRT refuses to select a profile on it
+    if stream_ok:
+        handle = int(cudart.cudaStreamCreateWithFlags(cudart.cudaStreamNonBlocking)[1])
+    backend.stream = types.SimpleNamespace(cuda_stream=handle, synchronize=lambda: None)
+    return backend
+
+
+def test_trt_backend_hands_a_half_precision_engine_its_own_dtypes(fp16_decoder, tmp_path, monkeypatch):
+    """An fp16 decoder engine keeps its cache in 2-byte elements: the bench used to bind the float32 arrays it
+    was given (read as other numbers, and past the buffers' ends); its inputs are now in the engine's dtypes."""
+    import torch
+
+    from andrea_export.graphs.layout import kv_layout
+
+    backend = _fake_trt_backend(tmp_path, fp16_decoder, monkeypatch)
+    engine, _ = backend._context("decode")
+    past = [np.zeros((1, 4, 3, 16), np.float32) for _ in kv_layout(ANDREA_TINY).past_names]
+    feeds = {"input_ids": np.ones((1, 1), np.int64), "attention_mask": np.ones((1, 4), np.int64),
+             **dict(zip(kv_layout(ANDREA_TINY).past_names, past))}  # fmt: skip
+    tensors = backend._inputs(engine, feeds)
+    assert {tensors[n].dtype for n in kv_layout(ANDREA_TINY).past_names} == {torch.float16}
+    assert tensors["input_ids"].dtype == tensors["attention_mask"].dtype == torch.int64
+
+
+def test_trt_backend_refuses_an_engine_whose_decode_profile_tensorrt_refused(fp16_decoder, tmp_path, monkeypatch):
+    """set_optimization_profile_async reports a refusal by returning False; the bench used to time the decode
+    engine on whatever profile was selected. Now the refusal is an error before anything is timed."""
+    from andrea_export.errors import CudaError
+
+    backend = _fake_trt_backend(tmp_path, fp16_decoder, monkeypatch, stream_ok=False)
+    with pytest.raises(CudaError, match="refused optimization profile 1 \\(decode\\)"):
+        backend._context("decode")
+    assert "decode" not in backend._engines

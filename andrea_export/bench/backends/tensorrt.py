@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ...errors import CudaError
 from ...names import INPUT_IDS
 from ..harness import cpu_timer, cuda_event_timer
 from .base import Backend, Unavailable
@@ -16,7 +17,9 @@ from .base import Backend, Unavailable
 class TrtBackend(Backend):
     """A TensorRT engine (GPU host only): `variant` "native" (ONNX Gelu -> TensorRT's own layers) or
     "plugin" (tanh-GELU as the project's plugin). Engines are built by the build stage and passed in as
-    paths ({"prefill": plan, "decode": plan}); timing uses CUDA events on one stream.
+    paths ({"prefill": plan, "decode": plan}); timing uses CUDA events on one stream. Inputs are handed over in
+    the element types the engine declares (an fp16 / bf16 decoder engine keeps its cache in 2-byte elements),
+    copied before the timed stream may read them.
 
     Thin hook: it needs `tensorrt` and a GPU, neither of which the CPU development machines have."""
 
@@ -65,27 +68,40 @@ class TrtBackend(Backend):
             context = engine.create_execution_context()
             if role == "decode" and engine.num_optimization_profiles > 1:
                 # a decoder engine carries kvcache.optimization_profiles: [prefill, decode]
-                context.set_optimization_profile_async(1, self.stream.cuda_stream)
+                if not context.set_optimization_profile_async(1, self.stream.cuda_stream):
+                    raise CudaError(f"{self.name}: {self.engines[role]}: TensorRT refused optimization profile 1 "
+                                    "(decode); the engine is not a decoder engine of this toolkit's profiles")
                 self.stream.synchronize()
             self._engines[role] = (engine, context)
         return self._engines[role]
+
+    def _torch_dtype(self, engine, name: str):
+        trt = self.trt
+        return {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
+                trt.int32: torch.int32, trt.int64: torch.int64}[engine.get_tensor_dtype(name)]
+
+    def _inputs(self, engine, feeds: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
+        """`feeds` on the device in the engine's own element types (a float32 cache bound to an fp16 engine's
+        input would be read as other numbers, and past its end)."""
+        return {name: torch.from_numpy(np.ascontiguousarray(arr)).to(self.device, self._torch_dtype(engine, name))
+                for name, arr in feeds.items()}  # fmt: skip
 
     def _bound(self, role: str, feeds: dict[str, np.ndarray]):
         engine, ctx = self._context(role)
         trt = self.trt
         from ...runtime.trt import bind, enqueue
 
-        tensors = {name: torch.from_numpy(np.ascontiguousarray(arr)).to(self.device) for name, arr in feeds.items()}
+        tensors = self._inputs(engine, feeds)
         bind(ctx, {name: tuple(arr.shape) for name, arr in feeds.items()}, {})  # a refused shape raises: no timing
         for i in range(engine.num_io_tensors):
             name = engine.get_tensor_name(i)
             if engine.get_tensor_mode(name) == trt.TensorIOMode.OUTPUT:
-                shape = tuple(ctx.get_tensor_shape(name))
-                dtype = {trt.float32: torch.float32, trt.float16: torch.float16, trt.bfloat16: torch.bfloat16,
-                         trt.int64: torch.int64}[engine.get_tensor_dtype(name)]
-                tensors[name] = torch.empty(shape, dtype=dtype, device=self.device)
+                tensors[name] = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self._torch_dtype(engine, name),
+                                            device=self.device)  # fmt: skip
         bind(ctx, {}, {name: t.data_ptr() for name, t in tensors.items()})
         stream = self.stream
+        if self.device == "cuda":  # the copies above ran on the current stream: the timed one waits for them
+            stream.wait_stream(torch.cuda.current_stream())
 
         def run():
             with torch.cuda.stream(stream):
