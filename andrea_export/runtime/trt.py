@@ -26,7 +26,8 @@ Decode has two modes:
   token's key/value (last slot of `present`) is copied into slot P of the past (2 x n_layer small strided
   copies). Trade-off: every step attends over n_positions keys, but a batch-1 decode on a GPU is bound by
   kernel launches, which the graph removes. If capture fails (an engine that cannot be captured), the
-  same fixed-shape step runs through execute_async_v3 and `cuda_graph_active` says so.
+  same fixed-shape step runs through execute_async_v3 and `cuda_graph_active` says so; `capture=False`
+  takes that path on purpose (the build's engine check runs it, so that the fallback is checked too).
 
 Element types: every buffer's element size and every host array's dtype come from the engine
 (`get_tensor_dtype`), never from the ONNX graph beside it: an fp16 or bf16 build keeps its KV cache in
@@ -139,7 +140,8 @@ def enqueue(ctx, stream) -> None:
 class TrtSession(SerialSession):
     backend = "tensorrt"
 
-    def __init__(self, engine_path: str | Path, cfg: ModelConfig, layout: KVLayout, *, cuda_graph: bool = True):
+    def __init__(self, engine_path: str | Path, cfg: ModelConfig, layout: KVLayout, *, cuda_graph: bool = True,
+                 capture: bool = True):
         super().__init__(cfg, layout, str(engine_path))
         self.cudart = _cudart()  # first: on a machine without a GPU, that is what to say
         self.trt = _tensorrt()
@@ -149,13 +151,13 @@ class TrtSession(SerialSession):
         self.cuda_graph_active = False
         self.cuda_graph_error: str | None = None
         try:
-            self._load(Path(engine_path), cuda_graph)
+            self._load(Path(engine_path), cuda_graph, capture)
         except BaseException:  # a session that fails to load frees what it took
             self._closed = True
             self._release()
             raise
 
-    def _load(self, engine_path: Path, cuda_graph: bool):
+    def _load(self, engine_path: Path, cuda_graph: bool, capture: bool):
         rt, trt, cfg, layout = self.cudart, self.trt, self.cfg, self.layout
         self.cuda_stream = int(_ok(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
@@ -200,7 +202,10 @@ class TrtSession(SerialSession):
             self._upload(self._ids, np.zeros(n, dtype=ids_t))
             self._upload(self._mask_static, np.eye(1, n, n - 1, dtype=mask_t)[0])
             self._bind_static_decode()
-            self._capture()
+            if capture:
+                self._capture()
+            else:
+                self.cuda_graph_error = "not captured: capture=False (the fallback path, run on purpose)"
         else:
             self._past_b = [self._alloc(kv) for _ in layout.past_names]  # set B; set A is self._present
 

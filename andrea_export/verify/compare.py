@@ -361,7 +361,7 @@ def print_summary(report: VerifyReport) -> None:
                 console.print(f"greedy {g['steps']} tokens with the KV cache, {label}: {where}")
             elif g:
                 console.print(f"greedy with the KV cache, {label}: {g['skipped']}")
-        for path, r in (d.get("engine") or {}).get("paths", {}).items():  # the engine's paths: CUDA graph, uncaptured
+        for path, r in (d.get("engine") or {}).get("paths", {}).items():  # CUDA graph, its fallback, growing
             bad = [k for k, b in r["boundary"].items() if not b["passed"]] + (["greedy"] if not r["greedy"]["passed"] else [])
             if r.get("captured") is False:
                 bad.append(f"CUDA graph capture failed: {r['capture_error']}")

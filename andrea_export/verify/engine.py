@@ -11,7 +11,8 @@ from ..errors import AndreaExportError
 
 def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
     """The decoder engine through the runtime's TrtSession against PyTorch, on every path the runtime takes:
-    the CUDA-graph session and the uncaptured one (cuda_graph=False, also the fallback when a capture fails).
+    the CUDA-graph session, its fallback when a capture fails (the same fixed-shape step through
+    execute_async_v3, taken on purpose with capture=False) and the growing-cache session (cuda_graph=False).
     On each: greedy decoding of an 8-token prompt for `steps` tokens (tokens agree, or diverge at a tie within
     the precision's tolerance; every distribution within MAX_KL), and the full-context boundary: a prompt of
     n_positions - 2 decoded at past n - 2 and n - 1, and a prefill of n, both against PyTorch's logits of the
@@ -45,12 +46,14 @@ def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: s
         return out
 
     paths = {}
-    for path, cuda_graph in (("cuda_graph", True), ("uncaptured", False)):
-        with TrtSession(folder / artifacts["decoder_engine"], cfg, layout, cuda_graph=cuda_graph) as sess:
+    for path, cuda_graph, capture in (("cuda_graph", True, True), ("capture_fallback", True, False),
+                                      ("uncaptured", False, False)):
+        plan = folder / artifacts["decoder_engine"]
+        with TrtSession(plan, cfg, layout, cuda_graph=cuda_graph, capture=capture) as sess:
             greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **tol, max_kl=MAX_KL[precision])
             greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
             r = {"greedy": greedy, "boundary": boundary(sess)}
-            if cuda_graph:
+            if capture:
                 r["captured"], r["capture_error"] = sess.cuda_graph_active, sess.cuda_graph_error
         r["passed"] = greedy["passed"] and all(b["passed"] for b in r["boundary"].values()) and r.get("captured", True)
         paths[path] = r

@@ -461,7 +461,8 @@ def test_the_builds_engine_check_fails_an_engine_that_decodes_wrongly(device, ga
     every precision, on both of the runtime's paths (CUDA graph and uncaptured), each with its boundary. The right
     engine is built from the plugin graph, as TensorRT's is, and runs the kernel's tanh with its error."""
     right, engine = _gate(tmp_path / "right", graphs[precision], plugin_graphs[precision], lively_model, precision)
-    assert right == "passed" and engine["passed"] and set(engine["paths"]) == {"cuda_graph", "uncaptured"}
+    assert right == "passed" and engine["passed"]
+    assert set(engine["paths"]) == {"cuda_graph", "capture_fallback", "uncaptured"}
     for r in engine["paths"].values():
         assert r["passed"] and r["greedy"]["steps"] == 16 and set(r["boundary"]) == {"prefill_n", "past_n-2_n-1"}
     assert engine["paths"]["cuda_graph"]["captured"] is True and engine["paths"]["cuda_graph"]["capture_error"] is None
@@ -486,6 +487,29 @@ def test_the_fp32_gate_passes_the_plugin_kernel_and_would_fail_tanh_approx_in_it
     assert status == "failed" and not engine["passed"]
     worst = max(b["max_abs"] for r in engine["paths"].values() for b in r["boundary"].values())
     assert worst > 1e-4  # tanh.approx's error alone moves the logits past fp32's bound
+    _closed_clean(device)
+
+
+def test_the_engine_gate_checks_the_runtimes_capture_fallback(device, gate_only, graphs, lively_model, tmp_path,
+                                                              monkeypatch):
+    """When a capture fails the runtime runs the fixed-shape step through execute_async_v3: a path of its own,
+    which the gate used to check only for engines that could not be captured. A runtime whose fallback forgets
+    to run the step (its logits those of the step before) now fails the gate with an engine that captures."""
+    from andrea_export.runtime import trt as trt_backend
+
+    execute = trt_backend.TrtSession._execute
+
+    def stale_fallback(self, ctx):  # the defect: the uncaptured fixed-shape decode step never runs
+        if self.static and self._graph_exec is None and ctx is self.contexts["decode"] and self._len:
+            return None
+        return execute(self, ctx)
+
+    monkeypatch.setattr(trt_backend.TrtSession, "_execute", stale_fallback)
+    status, engine = _gate(tmp_path / "b", graphs["fp32"], graphs["fp32"], lively_model, "fp32")
+    paths = engine["paths"]
+    assert paths["cuda_graph"]["passed"] and paths["cuda_graph"]["captured"] and paths["uncaptured"]["passed"]
+    assert not paths["capture_fallback"]["passed"] and "captured" not in paths["capture_fallback"]
+    assert status == "failed"
     _closed_clean(device)
 
 
