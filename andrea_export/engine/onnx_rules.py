@@ -36,11 +36,11 @@ RULES = {
 
 def tensorrt_import_problems(model: onnx.ModelProto) -> list[str]:
     """What in `model` full TensorRT would refuse to import, one line per problem with the rule it breaks;
-    [] when nothing. Reads initializers (load the graph with its external data)."""
+    [] when nothing. Reads initializers and Constant nodes (load the graph with its external data)."""
     g = model.graph
-    inits = {t.name: t for t in g.initializer}
+    inits = _weights(g)
     constants = {o for n in g.node if n.op_type == "Constant" for o in n.output}
-    shapes = {t.name: list(t.dims) for t in g.initializer}
+    shapes = {name: list(t.dims) for name, t in inits.items()}
     problems = []
     for n in g.node:
         where = f"node '{n.name or n.op_type}'"
@@ -71,10 +71,30 @@ def tensorrt_import_problems(model: onnx.ModelProto) -> list[str]:
         if x in shapes and scale in shapes:
             problems += [f"{where}: {p} [{RULES['scale_shape']}]"
                          for p in _scale_shape_problems(shapes[x], shapes[scale], axis, block)]
+        # TensorRT quantizes an activation per tensor only (one scalar scale): per-channel scales are for weights
+        # (blocks too, which RULES['block'] refuses on a computed tensor)
         per_channel = scale in shapes and len(shapes[scale]) == 1 and shapes[scale] != [1]
         if n.op_type == "DequantizeLinear" and per_channel and x not in inits and x not in constants:
             problems.append(f"{where}: per-channel scales on '{x}', which is not a weight [{RULES['per_channel']}]")
     return problems
+
+
+def _weights(g: onnx.GraphProto) -> dict[str, onnx.TensorProto]:
+    """The graph's weights by name: its initializers and the tensors of its Constant nodes. TensorRT roots both at
+    an IConstantLayer, so a Constant node's scale is read like an initializer's: reading only the initializers let
+    per-channel scales held in a Constant node through on an activation (RULES['per_channel']), and a Constant's
+    negative scales through (RULES['positive'])."""
+    weights = {t.name: t for t in g.initializer}
+    for n in g.node:
+        if n.op_type != "Constant" or n.domain not in ("", "ai.onnx"):
+            continue
+        for a in n.attribute:
+            if a.name == "value":
+                weights[n.output[0]] = a.t
+            elif a.name in ("value_float", "value_floats", "value_int", "value_ints"):
+                dtype = np.float32 if "float" in a.name else np.int64
+                weights[n.output[0]] = numpy_helper.from_array(np.asarray(onnx.helper.get_attribute_value(a), dtype))
+    return weights
 
 
 def _scale_shape_problems(x: list[int], s: list[int], axis: int, block: int) -> list[str]:

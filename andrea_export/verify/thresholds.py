@@ -1,7 +1,10 @@
 """What verification lets through, per precision: logit tolerances, top-1 / top-5 agreement, KL divergence of
 next-token distributions and perplexity drift; the ONE place they live, each with the measurement it comes from.
 
-A logit passes when |artifact - reference| <= atol + rtol * |reference| (numpy.allclose semantics).
+How a logit is judged against TOLERANCES: the graph comparisons (compare.verify, Polygraphy's elementwise check)
+fail an element only where |artifact - reference| > atol and > rtol * |artifact| both; the step-by-step decoder
+and engine checks use numpy.allclose, |artifact - reference| <= atol + rtol * |reference|
+(tests/verify/test_thresholds.py pins both).
 """
 
 # Measured against PyTorch float32 on batch 4 x seq 128 (512 tokens). Trained: andrea-tiny trained on

@@ -14,18 +14,43 @@ from andrea_export.errors import BuildError
 from andrea_export.names import PRECISIONS
 
 
-def _dq_graph(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None, **attrs) -> onnx.ModelProto:
-    """x [1, K] @ DequantizeLinear(q [K, N], scale) -> y."""
+def _dq_graph(q: np.ndarray, scale: np.ndarray, zero: np.ndarray | None = None, constant: bool = False,
+              **attrs) -> onnx.ModelProto:
+    """x [1, K] @ DequantizeLinear(q [K, N], scale) -> y: a weight's dequantization. `constant`: the weight and
+    its scale are Constant nodes instead of initializers (TensorRT takes both as weights)."""
     K, N = q.shape
-    inits = [numpy_helper.from_array(q, "w"), numpy_helper.from_array(scale.astype(np.float32), "s")]
+    tensors = [numpy_helper.from_array(q, "w"), numpy_helper.from_array(scale.astype(np.float32), "s")]
     inputs = ["w", "s"]
     if zero is not None:
-        inits.append(numpy_helper.from_array(zero, "z"))
+        tensors.append(numpy_helper.from_array(zero, "z"))
         inputs.append("z")
     nodes = [helper.make_node("DequantizeLinear", inputs, ["wd"], name="dq", **attrs),
              helper.make_node("MatMul", ["x", "wd"], ["y"], name="mm")]
+    if constant:
+        nodes = [helper.make_node("Constant", [], [t.name], value=t) for t in tensors] + nodes
     g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, K])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])], inits)
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, N])], [] if constant else tensors)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def _activation_graph(scale: np.ndarray, constant: bool = False, scale_input: bool = False,
+                      **attrs) -> onnx.ModelProto:
+    """x [1, 8] -> QuantizeLinear (one scale) -> DequantizeLinear(scale) -> Relu -> y: a Q/DQ pair on an activation,
+    where TensorRT takes only a per-tensor (scalar) scale. `constant`: the DequantizeLinear's scale is a Constant
+    node; `scale_input`: a graph input (not a constant at all)."""
+    s = numpy_helper.from_array(np.asarray(scale, dtype=np.float32), "ds")
+    inits = [numpy_helper.from_array(np.array(0.05, dtype=np.float32), "qs")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])]
+    nodes = [helper.make_node("QuantizeLinear", ["x", "qs"], ["xq"], name="q", output_dtype=TensorProto.INT8),
+             helper.make_node("DequantizeLinear", ["xq", "ds"], ["xd"], name="dq", **attrs),
+             helper.make_node("Relu", ["xd"], ["y"], name="relu")]
+    if constant:
+        nodes.insert(0, helper.make_node("Constant", [], ["ds"], value=s))
+    elif scale_input:
+        inputs.append(helper.make_tensor_value_info("ds", TensorProto.FLOAT, list(s.dims)))
+    else:
+        inits.append(s)
+    g = helper.make_graph(nodes, "g", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
@@ -33,37 +58,98 @@ def _problems(model) -> str:
     return "\n".join(tensorrt_import_problems(model))
 
 
-def test_a_correct_graph_has_no_problem():
-    rng = np.random.default_rng(0)
-    per_channel = _dq_graph(rng.integers(-127, 128, (64, 8)).astype(np.int8), np.full(8, 0.01), axis=1)
-    int4_blocks = _dq_graph(rng.integers(-8, 8, (64, 8)).astype(ml_dtypes.int4), np.full((2, 8), 0.01), axis=0, block_size=32)
-    assert tensorrt_import_problems(per_channel) == [] and tensorrt_import_problems(int4_blocks) == []
+def _int4(shape) -> np.ndarray:
+    return np.random.default_rng(0).integers(-8, 8, shape).astype(ml_dtypes.int4)
 
 
-def test_int8_block_dequantization_is_refused():
-    """What quantize.py used to give TensorRT for int8 (blocks of 64): TensorRT block-dequantizes INT4 only."""
-    q = np.zeros((128, 8), dtype=np.int8)
-    found = _problems(_dq_graph(q, np.full((2, 8), 0.01), axis=0, block_size=64))
-    assert "block_size 64 on INT8" in found and RULES["block"] in found
+def _int8(shape) -> np.ndarray:
+    return np.random.default_rng(0).integers(-127, 128, shape).astype(np.int8)
 
 
-def test_a_negative_or_zero_scale_is_refused():
-    """ONNX Runtime's symmetric int4 writes negative scales (about 4 in 10 blocks); TensorRT wants them positive."""
-    q = np.zeros((64, 8), dtype=ml_dtypes.int4)
+def _signed_int4_blocks() -> onnx.ModelProto:
     s = np.full((2, 8), 0.01)
     s[0, 3], s[1, 0] = -0.02, 0.0
-    found = _problems(_dq_graph(q, s, axis=0, block_size=32))
-    assert "2 of 16 scales are not positive" in found and RULES["positive"] in found
+    return _dq_graph(_int4((64, 8)), s, axis=0, block_size=32)
 
 
-def test_zero_points_scale_shapes_and_contrib_ops_are_checked():
-    q = np.zeros((64, 8), dtype=np.int8)
-    assert RULES["zero_point"] in _problems(_dq_graph(q, np.full(8, 0.01), np.ones(8, dtype=np.int8), axis=1))
-    assert "1-D scale of 8 for axis 0 of size 64" in _problems(_dq_graph(q, np.full(8, 0.01), axis=0))
-    assert "scale shape [3, 8]" in _problems(_dq_graph(q.astype(ml_dtypes.int4), np.full((3, 8), 0.01), axis=0, block_size=32))
-    m = _dq_graph(q, np.full(8, 0.01), axis=1)
+def _contrib_matmul() -> onnx.ModelProto:
+    m = _dq_graph(_int8((64, 8)), np.full(8, 0.01), axis=1)
     m.graph.node[1].domain, m.graph.node[1].op_type = "com.microsoft", "MatMulNBits"
-    assert "com.microsoft.MatMulNBits" in _problems(m)
+    m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return m
+
+
+def _constant_negative_scale() -> onnx.ModelProto:
+    s = np.full(8, 0.01)
+    s[5] = -0.01
+    return _dq_graph(_int8((64, 8)), s, constant=True, axis=1)
+
+
+# rule -> graphs that break it, each with what the refusal says (the rule's citation is checked too): each graph
+# breaks that rule only, so a rule whose check is removed leaves its graphs with no problem at all
+BREAKS = {
+    "block": [  # what quantize.py used to give TensorRT for int8 (blocks of 64): TensorRT block-dequantizes INT4 only
+        ("int8 in blocks", lambda: _dq_graph(_int8((128, 8)), np.full((2, 8), 0.01), axis=0, block_size=64),
+         "block_size 64 on INT8"),
+        ("blocks on an activation", lambda: _activation_graph(np.full((1, 4), 0.01), axis=1, block_size=2),
+         "block_size 2 on a computed tensor")],
+    "positive": [  # ONNX Runtime's symmetric int4 writes negative scales (about 4 in 10 blocks)
+        ("negative and zero int4 scales", _signed_int4_blocks, "2 of 16 scales are not positive"),
+        ("a negative scale in a Constant node", _constant_negative_scale, "1 of 8 scales are not positive"),
+        ("a scale that is a graph input", lambda: _activation_graph(np.array(0.05), scale_input=True),
+         "scale 'ds' is not a constant")],
+    "zero_point": [("a nonzero zero point", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01),
+                                                              np.ones(8, dtype=np.int8), axis=1),
+                    "a zero point that is not all zeros")],
+    "scale_shape": [
+        ("a per-channel scale on the wrong axis", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01), axis=0),
+         "1-D scale of 8 for axis 0 of size 64"),
+        ("int4 blocks of the wrong count", lambda: _dq_graph(_int4((64, 8)), np.full((3, 8), 0.01), axis=0,
+                                                             block_size=32), "scale shape [3, 8]")],
+    "per_channel": [  # TensorRT quantizes activations per tensor only: per-channel scales are for weights
+        ("per-channel scales on an activation", lambda: _activation_graph(np.full(8, 0.01), axis=1),
+         "per-channel scales on 'xq', which is not a weight"),
+        ("per-channel scales from a Constant node on an activation",
+         lambda: _activation_graph(np.full(8, 0.01), constant=True, axis=1),
+         "per-channel scales on 'xq', which is not a weight")],
+    "domain": [("an ONNX Runtime contrib op", _contrib_matmul, "com.microsoft.MatMulNBits")],
+}
+# rule -> graphs that keep it (and every other rule): what TensorRT imports
+KEEPS = {
+    "block": [("int4 in blocks of 32", lambda: _dq_graph(_int4((64, 8)), np.full((2, 8), 0.01), axis=0,
+                                                         block_size=32))],
+    "positive": [("positive scales in a Constant node", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01),
+                                                                          constant=True, axis=1))],
+    "zero_point": [("an all-zero zero point", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01),
+                                                                np.zeros(8, dtype=np.int8), axis=1))],
+    "scale_shape": [("a per-channel scale on the output axis", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01),
+                                                                                axis=1))],
+    "per_channel": [
+        ("per-channel scales on a weight", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01), axis=1)),
+        ("per-channel scales on a Constant weight", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01),
+                                                                      constant=True, axis=1)),
+        ("a per-tensor scale on an activation", lambda: _activation_graph(np.array(0.05))),
+        ("a per-tensor scale from a Constant node on an activation",
+         lambda: _activation_graph(np.array(0.05), constant=True))],
+    "domain": [("standard ONNX ops only", lambda: _dq_graph(_int8((64, 8)), np.full(8, 0.01), axis=1))],
+}
+
+
+def test_every_rule_has_a_graph_that_breaks_it_and_one_that_keeps_it():
+    assert set(BREAKS) == set(KEEPS) == set(RULES)
+
+
+@pytest.mark.parametrize("rule, make, says", [pytest.param(r, make, says, id=f"{r}: {name}")
+                                               for r, cases in BREAKS.items() for name, make, says in cases])
+def test_a_graph_that_breaks_a_rule_is_refused_with_the_rule(rule, make, says):
+    (problem,) = tensorrt_import_problems(make())
+    assert says in problem and problem.endswith(f"[{RULES[rule]}]"), problem
+
+
+@pytest.mark.parametrize("make", [pytest.param(make, id=f"{r}: {name}") for r, cases in KEEPS.items()
+                                  for name, make in cases])
+def test_a_graph_that_keeps_a_rule_passes(make):
+    assert tensorrt_import_problems(make()) == []
 
 
 def test_check_tensorrt_import_names_the_file_and_the_rule(tmp_path):
