@@ -124,6 +124,7 @@ class VerifyReport:
     decoder: dict | None = None  # the KV-cache decoder: step-by-step comparison and greedy agreement
     perplexity: dict | None = None  # on real text (eval_text), per artifact beside PyTorch's; or why not computed
     runtimes: dict | None = None  # other runtimes on the build's graphs: {"openvino-bf16" | "openvino-f32": {...}}
+    engine_weights: dict | None = None  # int8 / int4: whether each engine keeps its weights quantized, by its size
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -384,6 +385,10 @@ def print_summary(report: VerifyReport) -> None:
         console.print(f"{name} ({r['graph']}, {r['thresholds']} thresholds): max KL {worst_kl:.1e}, top-1 "
                       f"{least_top1:.4f}{ppl}{where}: ", styled("ok", "green") if r["passed"] else
                       styled("FAILED", "bold red"), sep="")  # fmt: skip
+    for role, c in (report.engine_weights or {}).items():  # int8 / int4 engines: weights kept quantized
+        verdict = styled("ok", "green") if c["passed"] and c["judged"] else (
+            styled("not judged", "yellow") if c["passed"] else styled("FAILED", "bold red"))
+        console.print(f"{role} {c['plan']} keeps its weights quantized: {c['detail']}: ", verdict, sep="")
     for s in report.skipped:
         console.print(styled("not run here", "yellow"), f"{s['artifact']}: {s['reason']}")
     verdict = styled("PASSED", "bold green") if report.passed else styled("FAILED", "bold red")

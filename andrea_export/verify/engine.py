@@ -103,3 +103,50 @@ def engine_runner(plan: Path, info: dict):
         return e
 
     return TrtRunner(engine, name="engine"), ""
+
+
+# A plan's kernels, tactics and metadata beside its weights: 5-7 MB for andrea-tiny's int4 engines (TensorRT-RTX
+# 1.7), whose weights are 0.3 MB quantized; below 4x this in float32 weights the size cannot tell.
+KERNELS_ALLOWANCE = 16 << 20
+FOLDED_SHARE = 0.9  # a plan this close to its weights' float32 size holds them as floats
+
+
+def quantized_weights_check(plan: Path, source: Path) -> dict:
+    """Whether an int8 / int4 engine keeps the Q/DQ graph's weights quantized. TensorRT may fold a
+    DequantizeLinear of constant weights back into float weights (NVIDIA/TensorRT#4833 reports it for 4-bit
+    weights): such an engine computes the right logits, so no numeric check sees it, at full size and speed.
+    Judged by the plan's size (read from the file) against the weights of the graph it was built from: it must
+    stay under FOLDED_SHARE of what they take as float32, after KERNELS_ALLOWANCE. ANDREA-120M int4 with
+    TensorRT-RTX 1.7: plans of 95.7 / 99.5 MB (model / decoder, its two profiles sharing the weights) against 86.5
+    MB quantized and 406 MB as float32. Too small a model to tell is said so, not passed off as checked."""
+    import onnx
+
+    graph = onnx.load(str(source), load_external_data=False)  # the initializers' shapes and types: no weights read
+    T = onnx.TensorProto
+    quantized, floats = {T.INT8: 8, T.UINT8: 8, T.INT4: 4, T.UINT4: 4}, {T.FLOAT: 4, T.FLOAT16: 2, T.BFLOAT16: 2}
+    q_elements = q_bytes = float_bytes = 0
+    for t in graph.graph.initializer:
+        n = 1
+        for d in t.dims:
+            n *= d
+        if t.data_type in quantized:
+            q_elements += n
+            q_bytes += n * quantized[t.data_type] // 8
+        else:
+            float_bytes += n * floats.get(t.data_type, 8)
+    plan_bytes = plan.stat().st_size
+    as_float32, as_quantized = 4 * q_elements + float_bytes, q_bytes + float_bytes
+    out = {"plan": plan.name, "graph": source.name, "plan_bytes": plan_bytes, "quantized_weights": q_elements,
+           "weights_quantized_bytes": as_quantized, "weights_as_float32_bytes": as_float32}
+    if q_elements == 0:
+        return {**out, "judged": True, "passed": False, "detail": f"{source.name} has no quantized weights"}
+    if 4 * q_elements < 4 * KERNELS_ALLOWANCE:
+        return {**out, "judged": False, "passed": True,
+                "detail": f"not judged: {4 * q_elements / 1e6:.1f} MB of weights as float32 are too few beside a "
+                          f"plan's kernels (allowance {KERNELS_ALLOWANCE >> 20} MB) to tell them from quantized ones"}
+    passed = plan_bytes - KERNELS_ALLOWANCE < FOLDED_SHARE * as_float32
+    detail = (f"{plan_bytes / 1e6:.1f} MB plan; its graph's weights take {as_quantized / 1e6:.1f} MB quantized, "
+              f"{as_float32 / 1e6:.1f} MB as float32")
+    if not passed:
+        detail += ": the engine holds them as floats (TensorRT folded the Q/DQ weights back): not a quantized engine"
+    return {**out, "judged": True, "passed": passed, "detail": detail}

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..folder.reader import read_engine_info
-from ..names import EVAL_TEXT_FILE, TOKENIZER_FILE
+from ..folder.reader import inside, read_engine_info
+from ..names import EVAL_TEXT_FILE, TOKENIZER_FILE, WEIGHT_ONLY
 from ..progress import step
-from .engine import engine_blocker, engine_checks, engine_runner
+from .engine import engine_blocker, engine_checks, engine_runner, quantized_weights_check
 
 
 def evaluation_windows(tok, path: Path | str, cfg) -> tuple:
@@ -110,6 +110,9 @@ def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_i
                 report.decoder["engine"] = engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
                 report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine"]["passed"]
         report.passed = report.passed and report.decoder["passed"]
+    if precision in WEIGHT_ONLY:  # the engines must keep their weights quantized; TensorRT may fold them back
+        report.engine_weights = engine_weights_checks(folder, artifacts, engine_info)
+        report.passed = report.passed and all(c["passed"] for c in report.engine_weights.values())
     if precision == "fp32":  # OpenVINO runs these fp32 graphs too (in bf16 where the CPU has it): checked as it runs
         from ..errors import MissingDependency
         from .openvino import openvino_checks, openvino_precision, runtime_name
@@ -125,6 +128,20 @@ def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_i
                                                      inference_precision=computes_in)}  # fmt: skip
             report.passed = report.passed and report.runtimes[name]["passed"]
     return report
+
+
+def engine_weights_checks(folder: Path, artifacts: dict, engine_info: dict) -> dict:
+    """quantized_weights_check of each engine of the folder against the graph its sidecar says it was built from
+    (a path read from the sidecar: it must stay inside the folder)."""
+    infos = {"engine": engine_info}
+    if "decoder_engine_info" in artifacts:
+        infos["decoder_engine"] = read_engine_info(folder / artifacts["decoder_engine_info"])
+    checks = {}
+    for role, info in infos.items():
+        if role in artifacts and info and "onnx" in info:
+            source = inside(folder, info["onnx"], f"{artifacts[role]}.json 'onnx'")
+            checks[role] = quantized_weights_check(folder / artifacts[role], source)
+    return checks
 
 
 def build_status(report) -> str:

@@ -174,6 +174,10 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
         assert {"top1_agreement", "top5_overlap", "max_kl"} <= set(s)
         assert s["max_kl"] > 0  # quantized: not the fp32 graph under another name
     assert report["decoder"]["passed"] and report["decoder"]["artifact"] == a["decoder_onnx"]
+    weights = report["engine_weights"]  # each engine against its Q/DQ graph: too small a model to judge by size
+    assert set(weights) == {"engine", "decoder_engine"}
+    assert weights["engine"]["graph"] == a["onnx_qdq"] and weights["decoder_engine"]["graph"] == a["decoder_onnx_qdq"]
+    assert all(w["passed"] and not w["judged"] and w["quantized_weights"] > 0 for w in weights.values())
 
 
 @pytest.mark.parametrize("quantized_build", ["int4"], indirect=True)  # the int4 build only: no skipped twin
