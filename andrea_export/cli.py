@@ -350,18 +350,25 @@ def inspect(path, as_json):
               help="The generate model for Triton's Python backend (in-flight batching, token streaming; what "
                    "`andrea-export serve` runs). [default: when the build has the in-place decoder]")
 @click.option("--generate-only", is_flag=True, help="Only the generate model, not the ONNX / engine models.")
+@click.option("--triton-release", default=None, metavar="YY.MM",
+              help="The Triton release (nvcr.io/nvidia/tritonserver:YY.MM-py3) that will serve the models: recorded "
+                   "in their configs; a TensorRT plan is refused when that release ships another TensorRT than the one "
+                   "that built it (a release whose TensorRT is not known here is recorded as not checked).")
 @_user_errors
 def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances, kind,
-            overwrite, allow_failed, copy_files, generate, generate_only):
+            overwrite, allow_failed, copy_files, generate, generate_only, triton_release):
     """Package a build folder for Triton Inference Server: REPO/NAME/config.pbtxt + REPO/NAME/1/model.plan|onnx.
 
     The config is written from Triton's own ModelConfig message (needs the 'triton' extra). The engine's
     tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. A build with the KV-cache
     decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
-    the server with `tritonserver --model-repository=REPO`; see docs/deploying.md.
+    the server with `tritonserver --model-repository=REPO`; see docs/deploying.md. For each TensorRT plan a line
+    says the TensorRT version, the Triton releases that ship it and the GPU driver its plugin PTX needs.
     """
     from .deploy.triton import package as write_package
+    from .deploy.triton import pin_summary
     from .errors import gpu_compute_capability
+    from .progress import console
 
     if kind is None:
         kind = "gpu" if gpu_compute_capability() is not None else "cpu"
@@ -373,8 +380,11 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
     for model_dir in write_package(build_dir, repo, name=name, backend=backend, max_batch_size=max_batch_size,
                                    dynamic_batching=dynamic_batching, max_queue_delay_us=max_queue_delay_us,
                                    instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
-                                   hardlink=not copy_files, generate=generate, generate_only=generate_only):
+                                   hardlink=not copy_files, generate=generate, generate_only=generate_only,
+                                   triton_release=triton_release):
         click.echo(model_dir)
+        if note := pin_summary(model_dir):
+            console.print(note, soft_wrap=True)  # stderr: stdout stays the model folders
 
 
 @main.command()

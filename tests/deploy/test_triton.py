@@ -243,6 +243,137 @@ def test_auto_serves_onnx_for_tensorrt_rtx_engines_and_cpu(tmp_path, onnx_only):
     assert (cfg.platform, pb.ModelInstanceGroup.Kind.Name(cfg.instance_group[0].kind)) == ("onnxruntime_onnx", "KIND_CPU")
 
 
+# --------------------------------------------------------------- the TensorRT version pin and the driver floor
+
+PTX = {"arch": "sm_80", "ptx_isa": "9.0", "driver_floor": "R580 (CUDA 13.0) or newer"}  # pipeline._plugin_info's
+MATRIX = "https://docs.nvidia.com/deeplearning/frameworks/support-matrix/index.html"
+
+
+def pinned_build(folder: Path, onnx_src: Path, version: str, plugin: dict | None = None) -> Path:
+    """A TensorRT build made by TensorRT `version`, its plugin's PTX record as the pipeline writes it."""
+    builder = {"name": "tensorrt", "version": version, "compute_capabilities": ["9.0"], "plugin_layers": 2}
+    plugin = plugin or {"id": "andrea::TanhGelu", "version": "1", "calls": 2, "in_engine": True, "embedded": True,
+                        "kernel": PTX}
+    return make_build(folder, onnx_src, engine=True, extra={"builder": builder, "plugin": plugin})
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+def test_tensorrt_config_names_its_tensorrt_version_triton_releases_and_driver_floor(tmp_path, onnx_only):
+    model_dir = write_triton_repo(pinned_build(tmp_path / "build", onnx_only, "10.0.1.6"), tmp_path / "repo")
+    params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
+    assert params["andrea.tensorrt_version"] == "10.0.1.6"
+    assert params["andrea.triton_releases"] == "24.05"
+    assert params["andrea.driver_floor"] == "R580 (CUDA 13.0) or newer (plugin PTX ISA 9.0)"
+    assert "andrea.triton_release" not in params  # not asked for
+    text = (model_dir / "config.pbtxt").read_text()
+    assert "# Triton releases that ship TensorRT 10.0.1.6: 24.05 (nvcr.io/nvidia/tritonserver:<release>-py3)\n" in text
+    assert "# GPU driver: R580 (CUDA 13.0) or newer (plugin PTX ISA 9.0)\n" in text
+
+
+def test_an_unknown_tensorrt_version_and_a_missing_ptx_record_are_said_not_guessed(tmp_path, onnx_only):
+    no_ptx = {"id": "andrea::TanhGelu", "version": "1", "calls": 2, "in_engine": True, "embedded": True}
+    build = pinned_build(tmp_path / "build", onnx_only, "10.99.0.1", plugin=no_ptx)
+    model_dir = write_triton_repo(build, tmp_path / "repo")
+    params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
+    unknown = f"no Triton release known to ship TensorRT 10.99.0.1: check NVIDIA's support matrix ({MATRIX})"
+    assert params["andrea.triton_releases"] == unknown
+    assert params["andrea.driver_floor"] == "unknown: the build recorded no driver floor for the plugin's PTX"
+    assert f"# {unknown}\n" in (model_dir / "config.pbtxt").read_text()
+
+    native = make_build(tmp_path / "native", onnx_only, engine=True, extra={"plugin": None})  # native GELU layers
+    cfg = read_config(write_triton_repo(native, tmp_path / "repo2"))
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    assert params["andrea.driver_floor"] == "no plugin PTX"
+
+
+def test_tensorrt_versions_match_to_the_precision_both_give():
+    from andrea_export.deploy.triton.common import same_tensorrt
+
+    assert same_tensorrt("10.0.1.6", "10.0.1.6") and same_tensorrt("10.0.1", "10.0.1.6")
+    assert not same_tensorrt("10.0.1.5", "10.0.1.6")  # the build number counts when both give one
+    assert not same_tensorrt("10.0", "10.0.1.6") and not same_tensorrt("unknown", "10.0.1.6")
+
+
+def test_a_triton_release_shipping_another_tensorrt_is_refused_and_nothing_is_written(tmp_path, onnx_only, monkeypatch):
+    from andrea_export.deploy.triton import common, package
+
+    build = pinned_build(tmp_path / "build", onnx_only, "10.99.0.1")
+    repo = tmp_path / "repo"
+    (repo / "other" / "1").mkdir(parents=True)
+    (repo / "other" / "config.pbtxt").write_text('name: "other"\n')
+    before = listing(repo)
+    with pytest.raises(PackageError) as e:
+        write_triton_repo(build, repo, triton_release="24.05")
+    assert str(e.value) == (
+        f"{build}: the TensorRT plan was built by TensorRT 10.99.0.1, but Triton release 24.05 ships TensorRT "
+        f"10.0.1.6, which cannot load it; no Triton release known to ship TensorRT 10.99.0.1: check NVIDIA's "
+        f"support matrix ({MATRIX}). Package for a release that ships 10.99.0.1, or rebuild the engine with "
+        "TensorRT 10.0.1.6"
+    )
+    fictional = {"24.05": "10.0.1.6", "99.01": "10.99.0.1", "99.02": "10.99.0"}  # 99.02: three parts match three
+    monkeypatch.setattr(common, "TRITON_RELEASE_TENSORRT", fictional)
+    with pytest.raises(PackageError, match=r"releases that ship TensorRT 10\.99\.0\.1: 99\.01, 99\.02\. Package for"):
+        package(build, repo, triton_release="24.05", kind="gpu")
+    assert listing(repo) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["build", "repo"]  # no staging folder left beside it
+
+
+def test_an_unknown_triton_release_is_recorded_as_not_checked_and_a_malformed_one_refused(tmp_path, onnx_only):
+    """A release whose TensorRT this toolkit does not know contradicts nothing: the plan is packaged, and its config
+    says plainly that the release was not checked (the table holds confirmed releases only)."""
+    build = pinned_build(tmp_path / "build", onnx_only, "10.0.1.6")
+    with pytest.raises(PackageError, match=r"a Triton release is written YY\.MM \(e\.g\. 24\.05\), got 'latest'"):
+        write_triton_repo(build, tmp_path / "repo", triton_release="latest")
+    assert not (tmp_path / "repo").exists()
+    model = write_triton_repo(build, tmp_path / "repo", triton_release="25.13")
+    config = (model / "config.pbtxt").read_text()
+    assert "Packaged for Triton release 25.13 (nvcr.io/nvidia/tritonserver:25.13-py3): NOT checked" in config
+    assert f"NVIDIA's support matrix: {MATRIX}" in config
+
+
+def test_a_matching_triton_release_is_accepted_and_recorded(tmp_path, onnx_only):
+    model_dir = write_triton_repo(pinned_build(tmp_path / "build", onnx_only, "10.0.1.6"), tmp_path / "repo",
+                                  triton_release="24.05")
+    assert read_config(model_dir).parameters["andrea.triton_release"].string_value == "24.05"
+    assert ("# Packaged for Triton release 24.05 (nvcr.io/nvidia/tritonserver:24.05-py3), which ships TensorRT "
+            "10.0.1.6.\n") in (model_dir / "config.pbtxt").read_text()
+
+
+def test_an_onnxruntime_model_records_the_triton_release_with_nothing_to_contradict(tmp_path, onnx_only):
+    build = pinned_build(tmp_path / "build", onnx_only, "10.99.0.1")  # the engine's TensorRT: no concern of ORT
+    model_dir = write_triton_repo(build, tmp_path / "repo", backend="onnxruntime", kind="cpu", triton_release="99.12")
+    params = {k: v.string_value for k, v in read_config(model_dir).parameters.items()}
+    assert params["andrea.triton_release"] == "99.12"
+    assert "andrea.triton_releases" not in params and "andrea.driver_floor" not in params
+    text = (model_dir / "config.pbtxt").read_text()
+    assert "# Packaged for Triton release 99.12 (nvcr.io/nvidia/tritonserver:99.12-py3).\n" in text
+
+
+def test_package_cli_takes_triton_release_and_prints_the_pin(tmp_path, onnx_only):
+    from click.testing import CliRunner
+
+    from andrea_export.cli import main
+
+    build = pinned_build(tmp_path / "build", onnx_only, "10.0.1.6")
+    r = CliRunner().invoke(main, ["package", str(build), "--triton", str(tmp_path / "repo"), "--kind", "gpu",
+                                  "--triton-release", "24.05"])
+    assert r.exit_code == 0, r.output
+    cfg = read_config(tmp_path / "repo" / "andrea-tiny-fp32-trt")
+    assert cfg.parameters["andrea.triton_release"].string_value == "24.05"
+    assert ("andrea-tiny-fp32-trt: TensorRT 10.0.1.6 plan; Triton releases that ship it: 24.05; GPU driver: R580 "
+            "(CUDA 13.0) or newer (plugin PTX ISA 9.0)") in " ".join(r.output.split())
+
+    other = pinned_build(tmp_path / "other", onnx_only, "10.99.0.1")
+    r = CliRunner().invoke(main, ["package", str(other), "--triton", str(tmp_path / "repo2"), "--kind", "gpu",
+                                  "--triton-release", "24.05"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and "but Triton release 24.05 ships TensorRT 10.0.1.6" in said, r.output
+    assert "Traceback" not in r.output and not (tmp_path / "repo2").exists()
+
+
 # ------------------------------------------------------------------------------------------- refusals
 
 

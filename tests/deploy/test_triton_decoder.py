@@ -181,3 +181,28 @@ def test_package_without_kind_on_a_machine_without_a_gpu_packages_for_the_cpu_an
     assert "no GPU on this machine" in " ".join(result.output.split()), result.output
     configs = [p.read_text() for p in repo.glob("*/config.pbtxt")]
     assert len(configs) == 3 and all("KIND_CPU" in c and "KIND_GPU" not in c for c in configs)  # generate: always CPU
+
+
+def test_a_tensorrt_decoder_names_its_triton_releases_and_a_contradicting_release_is_refused(lively_build, tmp_path):
+    """The stateful model's header and parameters carry the same pin as the stateless one; --triton-release
+    is checked against the decoder plan's TensorRT before anything is written."""
+    trt = tmp_path / "trt-build"
+    shutil.copytree(lively_build, trt)
+    m = json.loads((trt / "manifest.json").read_text())
+    m["builder"].update(name="tensorrt", version="10.0.1.6")  # the plugin record says: not in the engine (RTX build)
+    (trt / "manifest.json").write_text(json.dumps(m))
+    model_dir = write_triton_decoder(trt, tmp_path / "repo", backend="tensorrt", triton_release="24.05")
+    text = (model_dir / "config.pbtxt").read_text()
+    assert "# Triton releases that ship TensorRT 10.0.1.6: 24.05 (nvcr.io/nvidia/tritonserver:<release>-py3)\n" in text
+    assert "# GPU driver: no plugin PTX\n" in text
+    assert ("# Packaged for Triton release 24.05 (nvcr.io/nvidia/tritonserver:24.05-py3), which ships TensorRT "
+            "10.0.1.6.\n") in text
+    params = {k: v.string_value for k, v in parse_config(text).parameters.items()}
+    assert (params["andrea.tensorrt_version"], params["andrea.triton_releases"], params["andrea.driver_floor"],
+            params["andrea.triton_release"]) == ("10.0.1.6", "24.05", "no plugin PTX", "24.05")
+
+    m["builder"]["version"] = "10.99.0.1"
+    (trt / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PackageError, match="by TensorRT 10.99.0.1, but Triton release 24.05 ships TensorRT 10.0.1.6"):
+        write_triton_decoder(trt, tmp_path / "repo2", backend="tensorrt", triton_release="24.05")
+    assert not (tmp_path / "repo2").exists()

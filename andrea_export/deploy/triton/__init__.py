@@ -10,29 +10,34 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...errors import PackageError
 from ...folder.atomic import locked_folder
-from .common import config_text, parse_config, read_manifest
+from .common import check_triton_release, choose_backend, config_text, parse_config, read_manifest
 from .generate import write_generate_model
 from .stateful import write_triton_decoder
 from .stateless import write_triton_repo
 
-__all__ = ["config_text", "package", "parse_config", "read_manifest", "write_generate_model", "write_triton_decoder",
-           "write_triton_repo"]
+__all__ = ["config_text", "package", "parse_config", "pin_summary", "read_manifest", "write_generate_model",
+           "write_triton_decoder", "write_triton_repo"]
 
 
 def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, backend: str = "auto",
             instances: int = 1, kind: str = "gpu", overwrite: bool = False, allow_failed: bool = False,
-            hardlink: bool = True, generate: bool | None = None, generate_only: bool = False, **options) -> list[Path]:
+            hardlink: bool = True, generate: bool | None = None, generate_only: bool = False,
+            triton_release: str | None = None, **options) -> list[Path]:
     """Every model of a build: the stateless one (write_triton_repo, which also takes `options`), when the
     build has the KV-cache decoder the stateful one (`<name>-decoder`; write_triton_decoder), and when it has
     the in-place decoder the generate model (`<name>-generate`; write_generate_model; `generate` False: not,
     `generate_only`: that one alone). One shared lock and one read of the manifest for all, so they always
-    come from the same build. Returns the model folders."""
+    come from the same build. `triton_release` (YY.MM): the Triton release that will serve them, checked against
+    every plan before any model is written (see write_triton_repo). Returns the model folders."""
     common = dict(backend=backend, instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
-                  hardlink=hardlink)
+                  hardlink=hardlink, triton_release=triton_release)
     with locked_folder(build_dir, shared=True):
         manifest = read_manifest(build_dir)
         has_generate = "decoder_onnx_inplace" in manifest["artifacts"]
+        plan = not generate_only and _serves_plan(Path(build_dir), manifest, backend, kind)
+        check_triton_release(Path(build_dir), manifest, triton_release, plan=plan)  # before the first model
         models = []
         if not generate_only:
             models.append(write_triton_repo(build_dir, repo_dir, name=name, manifest=manifest, **common, **options))
@@ -44,3 +49,29 @@ def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = N
                                                manifest=manifest, overwrite=overwrite, allow_failed=allow_failed,
                                                hardlink=hardlink))
     return models
+
+
+def _serves_plan(build_dir: Path, manifest: dict, backend: str, kind: str) -> bool:
+    """Whether the stateless or the stateful model would be a TensorRT plan (the writers choose the same way;
+    what they would refuse, they say themselves)."""
+    roles = [("engine", "onnx")]
+    if "decoder_onnx" in manifest["artifacts"]:
+        roles.append(("decoder_engine", "decoder_onnx"))
+    for engine, graph in roles:
+        try:
+            if choose_backend(build_dir, manifest, backend, kind, engine=engine, graph=graph) == "tensorrt":
+                return True
+        except (PackageError, KeyError):  # KeyError: an unknown backend, which the writer names
+            continue
+    return False
+
+
+def pin_summary(model_dir: str | Path) -> str | None:
+    """One line on what a packaged TensorRT plan needs (its config's parameters): the TensorRT version, the Triton
+    releases that ship it and the GPU driver floor; None for a model that is not a plan."""
+    cfg = parse_config((Path(model_dir) / "config.pbtxt").read_text())
+    params = {k: v.string_value for k, v in cfg.parameters.items()}
+    if "andrea.tensorrt_version" not in params:
+        return None
+    return (f"{Path(model_dir).name}: TensorRT {params['andrea.tensorrt_version']} plan; Triton releases that ship it: "
+            f"{params['andrea.triton_releases']}; GPU driver: {params['andrea.driver_floor']}")

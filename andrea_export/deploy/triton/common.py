@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -38,6 +39,26 @@ _TRITON_TYPE: dict[int, str] = {
 }
 
 TRITON_NAME = "a Triton model name"
+
+# Triton release (YY.MM) -> the TensorRT version its nvcr.io/nvidia/tritonserver:<release>-py3 container ships, as
+# NVIDIA writes it (major.minor.patch.build). A plan loads only under the TensorRT that built it, and the -py3
+# container is the one with Triton's TensorRT backend (the -trtllm-python-py3 one has only the TensorRT-LLM and
+# Python backends: triton-inference-server/server#7346). Only rows confirmed from NVIDIA's pages are here; a
+# release not listed is unknown, never guessed. The source of truth is the Deep Learning Frameworks Support Matrix
+# (SUPPORT_MATRIX below), which the Triton release notes name as the list of what each container holds.
+# - 24.05: TensorRT 10.0.1.6, what NVIDIA lists for its 24.05 framework containers
+#   (https://docs.nvidia.com/deeplearning/frameworks/mxnet-release-notes/rel-24-05.html); Triton's own QA builds
+#   the plans of release YY.MM in nvcr.io/nvidia/tensorrt:YY.MM-py3 (qa/common/gen_qa_model_repository, r24.05).
+# Triton's Release Compatibility Matrix
+# (https://docs.nvidia.com/deeplearning/triton-inference-server/user-guide/docs/introduction/compatibility.html)
+# lists a TensorRT per release up to 26.07, but for the -trtllm-python-py3 container only, whose TensorRT is not
+# the -py3 one's: not copied here. Add releases from the support matrix's Triton column.
+TRITON_RELEASE_TENSORRT: dict[str, str] = {
+    "24.05": "10.0.1.6",
+}
+SUPPORT_MATRIX = "https://docs.nvidia.com/deeplearning/frameworks/support-matrix/index.html"
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:{}-py3"
+_RELEASE = re.compile(r"\d{2}\.\d{2}")
 
 
 def model_config_pb2():
@@ -182,7 +203,8 @@ def triton_type(path: Path, name: str, elem_type: int) -> str:
     return _TRITON_TYPE[elem_type]
 
 
-def parameters(manifest: dict, role: str, backend: str) -> dict[str, str]:
+def parameters(manifest: dict, role: str, backend: str, triton_release: str | None = None) -> dict[str, str]:
+    """The config's `parameters`: where the model came from and, for a plan, what must serve it."""
     model = manifest["model"]
     params = {
         "andrea.tool": f"{(manifest.get('tool') or {}).get('name', 'andrea-export')} "
@@ -199,19 +221,106 @@ def parameters(manifest: dict, role: str, backend: str) -> dict[str, str]:
         params["andrea.builder"] = f"{name} {version}"
         params["andrea.compute_capabilities"] = ",".join(str(c) for c in ccs)
         params["andrea.plugin"] = plugin_line(manifest)
+        params["andrea.tensorrt_version"] = version
+        params["andrea.triton_releases"] = releases_line(version)
+        params["andrea.driver_floor"] = driver_floor(manifest)
+    if triton_release is not None:
+        params["andrea.triton_release"] = triton_release
     return params
+
+
+def _plugin_in_engine(manifest: dict) -> bool:
+    plugin = manifest.get("plugin") or {}
+    builder = manifest.get("builder") or {}
+    return not (not plugin or not plugin.get("in_engine", True) or plugin.get("calls", 1) == 0
+                or builder.get("plugin_layers", 1) == 0)
 
 
 def plugin_line(manifest: dict) -> str:
     plugin = manifest.get("plugin") or {}
-    builder = manifest.get("builder") or {}
-    if (not plugin or not plugin.get("in_engine", True) or plugin.get("calls", 1) == 0
-            or builder.get("plugin_layers", 1) == 0):
+    if not _plugin_in_engine(manifest):
         return "none: native TensorRT GELU layers, nothing to load"
     pid, ver = plugin.get("id", "?"), plugin.get("version", "?")
     if plugin.get("embedded", False):
         return f"{pid} v{ver}: AOT plugin, kernel embedded in the engine; no plugin library to load"
     return f"{pid} v{ver}: NOT embedded; load its library with --backend-config=tensorrt,plugins=<lib.so>"
+
+
+def driver_floor(manifest: dict) -> str:
+    """The oldest GPU driver that loads the engine's plugin PTX (a driver JIT-compiles PTX only up to its own
+    CUDA release's ISA), as the build recorded it (pipeline._plugin_info); never guessed."""
+    if not _plugin_in_engine(manifest):
+        return "no plugin PTX"
+    kernel = (manifest.get("plugin") or {}).get("kernel")
+    if isinstance(kernel, dict) and isinstance(kernel.get("driver_floor"), str) and kernel["driver_floor"]:
+        isa = kernel.get("ptx_isa")
+        floor = kernel["driver_floor"]
+        return f"{floor} (plugin PTX ISA {isa})" if isinstance(isa, str) and isa else floor
+    return "unknown: the build recorded no driver floor for the plugin's PTX"
+
+
+def same_tensorrt(built: str, shipped: str) -> bool:
+    """Whether TensorRT `built` is `shipped`, compared to the precision both give: NVIDIA writes
+    major.minor.patch.build (10.0.1.6), and the build number counts (TensorRT 8.6.1.2 refuses a plan of 8.6.1.6:
+    triton-inference-server/server#5975); a version given as major.minor.patch (10.0.1) matches on those three.
+    Fewer than three: no match."""
+    a, b = str(built).split("."), str(shipped).split(".")
+    n = min(len(a), len(b))
+    return n >= 3 and all(x.isdigit() for x in a + b) and a[:n] == b[:n]
+
+
+def triton_releases(version: str) -> list[str]:
+    """The Triton releases (TRITON_RELEASE_TENSORRT) whose -py3 container ships TensorRT `version`."""
+    return sorted(r for r, shipped in TRITON_RELEASE_TENSORRT.items() if same_tensorrt(version, shipped))
+
+
+def releases_line(version: str) -> str:
+    """The releases that ship TensorRT `version`, or that none is known here (not a guess)."""
+    return ", ".join(triton_releases(version)) or (
+        f"no Triton release known to ship TensorRT {version}: check NVIDIA's support matrix ({SUPPORT_MATRIX})")
+
+
+def pin_lines(manifest: dict, backend: str, triton_release: str | None) -> list[str]:
+    """config.pbtxt header lines: for a plan, the Triton releases that can load it and the driver its PTX needs;
+    the release it was packaged for (--triton-release), if one was given."""
+    lines = []
+    version = builder_of(manifest)[1]
+    if backend == "tensorrt":
+        releases = triton_releases(version)
+        image = TRITON_IMAGE.format("<release>")
+        lines.append(f"Triton releases that ship TensorRT {version}: {', '.join(releases)} ({image})"
+                     if releases else releases_line(version))
+        lines.append(f"GPU driver: {driver_floor(manifest)}")
+    if triton_release is not None:
+        shipped = ""
+        if backend == "tensorrt":
+            shipped = (f", which ships TensorRT {TRITON_RELEASE_TENSORRT[triton_release]}"
+                       if triton_release in TRITON_RELEASE_TENSORRT else
+                       f": NOT checked, no TensorRT version is known here for it (NVIDIA's support matrix: {SUPPORT_MATRIX})")
+        lines.append(f"Packaged for Triton release {triton_release} ({TRITON_IMAGE.format(triton_release)}){shipped}.")
+    return lines
+
+
+def check_triton_release(build_dir: Path, manifest: dict, triton_release: str | None, plan: bool) -> None:
+    """Refuse a Triton release (--triton-release) that cannot load the plan: its container ships another TensorRT.
+    A release whose TensorRT is not known here (TRITON_RELEASE_TENSORRT lists only confirmed ones) contradicts
+    nothing: it is recorded, and the config's header says it was not checked. Without a plan (ONNX Runtime) there
+    is nothing to contradict either: any release written YY.MM is recorded."""
+    if triton_release is None:
+        return
+    if not isinstance(triton_release, str) or not _RELEASE.fullmatch(triton_release):
+        raise PackageError(f"a Triton release is written YY.MM (e.g. 24.05), got {triton_release!r}")
+    if not plan or triton_release not in TRITON_RELEASE_TENSORRT:
+        return
+    built, shipped = builder_of(manifest)[1], TRITON_RELEASE_TENSORRT[triton_release]
+    if not same_tensorrt(built, shipped):
+        fits = triton_releases(built)
+        fit = f"Triton releases that ship TensorRT {built}: {', '.join(fits)}" if fits else releases_line(built)
+        raise PackageError(
+            f"{build_dir}: the TensorRT plan was built by TensorRT {built}, but Triton release {triton_release} ships "
+            f"TensorRT {shipped}, which cannot load it; {fit}. Package for a release that ships {built}, or rebuild "
+            f"the engine with TensorRT {shipped}"
+        )
 
 
 def write_model_dir(repo: Path, name: str, config: str, artifact: Path, backend: str, manifest_path: Path,

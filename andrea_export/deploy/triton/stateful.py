@@ -51,11 +51,13 @@ from .common import (
     artifact_file,
     builder_of,
     check_status,
+    check_triton_release,
     choose_backend,
     config_text,
     model_config_pb2,
     onnx_io,
     parameters,
+    pin_lines,
     reading_build,
     triton_type,
     write_model_dir,
@@ -68,7 +70,8 @@ DEFAULT_IDLE_US = 60_000_000  # a sequence idle for a minute is ended and its ca
 def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None,
                          backend: str = "auto", instances: int = 1, kind: str = "gpu",
                          max_sequence_idle_us: int = DEFAULT_IDLE_US, overwrite: bool = False,
-                         allow_failed: bool = False, hardlink: bool = True, manifest: dict) -> Path:
+                         allow_failed: bool = False, hardlink: bool = True, triton_release: str | None = None,
+                         manifest: dict) -> Path:
     """Write `<repo_dir>/<name>/` serving the build's KV-cache decoder with implicit state.
 
     Args:
@@ -76,6 +79,7 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
             GPU) or "auto" (the engine when it is a TensorRT plan and kind is "gpu", else the graph).
         name: default `<model>-<precision>-decoder-trt|onnx`.
         max_sequence_idle_us: Triton ends a sequence idle this long and frees its slot.
+        triton_release: the Triton release (YY.MM) that will serve it; a plan is checked against its TensorRT.
     Other arguments as in triton.write_triton_repo (triton.package writes both). Returns the model folder.
     """
     build_dir, repo_dir = Path(build_dir), Path(repo_dir)
@@ -89,15 +93,17 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
     check_status(build_dir, manifest, allow_failed, "its decoder")
     backend = choose_backend(build_dir, manifest, backend, kind, engine="decoder_engine", graph="decoder_onnx")
     role = "decoder_engine" if backend == "tensorrt" else "decoder_onnx"
+    check_triton_release(build_dir, manifest, triton_release, plan=backend == "tensorrt")
 
     graph = artifact_file(build_dir, manifest, "decoder_onnx")
     artifact = artifact_file(build_dir, manifest, role) if backend == "tensorrt" else graph
     profiles = _engine_profiles(build_dir, manifest) if backend == "tensorrt" else []
     cfg = decoder_config(pb, graph, name or _default_name(manifest, backend), backend, instances, kind,
                          max_sequence_idle_us, profiles)
-    for k, v in parameters(manifest, role, backend).items():
+    for k, v in parameters(manifest, role, backend, triton_release).items():
         cfg.parameters[k].string_value = v
-    text = "".join(f"# {line}\n" for line in _header(build_dir, manifest, backend, profiles)) + "\n" + config_text(cfg)
+    header = _header(build_dir, manifest, backend, profiles, triton_release)
+    text = "".join(f"# {line}\n" for line in header) + "\n" + config_text(cfg)
     return write_model_dir(repo_dir, cfg.name, text, artifact, backend, build_dir / MANIFEST, manifest,
                             overwrite=overwrite, hardlink=hardlink)
 
@@ -158,7 +164,8 @@ def _default_name(manifest: dict, backend: str) -> str:
            f"{'trt' if backend == 'tensorrt' else 'onnx'}"
 
 
-def _header(build_dir: Path, manifest: dict, backend: str, profiles: list) -> list[str]:
+def _header(build_dir: Path, manifest: dict, backend: str, profiles: list,
+            triton_release: str | None = None) -> list[str]:
     lines = [
         f"Triton model configuration written by andrea-export {__version__}",
         f"from {build_dir.resolve() / MANIFEST}: the KV-cache decoder, model {manifest['model'].get('name', '?')}, "
@@ -176,4 +183,4 @@ def _header(build_dir: Path, manifest: dict, backend: str, profiles: list) -> li
                                if k in ("input_ids", "past_key_values.0.key"))
             lines.append(f"profile {i} ({p.get('name', '?')}): {shapes}")
         lines.append("The past is never 0 here, so every request must fit the decode profile: one token per request.")
-    return lines
+    return lines + pin_lines(manifest, backend, triton_release)

@@ -56,11 +56,13 @@ from .common import (
     artifact_file,
     builder_of,
     check_status,
+    check_triton_release,
     choose_backend,
     config_text,
     model_config_pb2,
     onnx_io,
     parameters,
+    pin_lines,
     plugin_line,
     reading_build,
     triton_type,
@@ -89,6 +91,7 @@ def write_triton_repo(
     overwrite: bool = False,
     allow_failed: bool = False,
     hardlink: bool = True,
+    triton_release: str | None = None,
     manifest: dict,
 ) -> Path:
     """Write `<repo_dir>/<name>/` (config.pbtxt and version 1 of the model) from an andrea-export build.
@@ -112,6 +115,8 @@ def write_triton_repo(
         allow_failed: package a build whose verification failed (refused by default).
         hardlink: hard-link the artifact when on the same file system (else it is copied); a weights
             file is always copied (see the module doc).
+        triton_release: the Triton release (YY.MM) that will serve it: recorded in the config, and for a plan
+            refused when that release's container ships another TensorRT, or none is known for it here.
         manifest: the build's manifest when the caller holds the folder's shared lock and has read it
             (see package); by default the folder is locked and its manifest read here.
     Returns:
@@ -132,6 +137,7 @@ def write_triton_repo(
     pb = model_config_pb2()  # first: a missing dependency is said before any work
     status = check_status(build_dir, manifest, allow_failed, "it for serving")
     backend = choose_backend(build_dir, manifest, backend, kind)
+    check_triton_release(build_dir, manifest, triton_release, plan=backend == "tensorrt")
     if status != "passed" and not (status == "engine-unverified" and backend == "onnxruntime"):
         warn(f"{build_dir}: packaging a build whose verification status is '{status}'")
     role = ROLE[backend]
@@ -184,11 +190,11 @@ def write_triton_repo(
     )
     if backend == "tensorrt" and len(profiles) > 1:
         group.profile.extend(str(i) for i in range(len(profiles)))
-    params = parameters(manifest, role, backend)
+    params = parameters(manifest, role, backend, triton_release)
     for k, v in params.items():
         cfg.parameters[k].string_value = v
 
-    header = _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size)
+    header = _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size, triton_release)
     text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "\n" + config_text(cfg)
     return write_model_dir(
         repo_dir, name, text, artifact, backend, build_dir / MANIFEST, manifest, overwrite=overwrite, hardlink=hardlink
@@ -259,7 +265,7 @@ def _check_vocab(path: Path, outputs: dict, manifest: dict) -> None:
 # ------------------------------------------------------------------------------------ config contents
 
 
-def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size) -> list[str]:
+def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size, triton_release=None) -> list[str]:
     model = manifest["model"]
     lines = [
         f"Triton model configuration written by andrea-export {__version__}",
@@ -278,6 +284,7 @@ def _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size
         for i, p in enumerate(profiles):
             shapes = "; ".join(f"{n} min {p[n]['min']} opt {p[n]['opt']} max {p[n]['max']}" for n in inputs if n in p)
             lines.append(f"optimization profile {i}: {shapes}")
+    lines += pin_lines(manifest, backend, triton_release)
     if max_batch_size > 0:
         lines += [
             f"max_batch_size {max_batch_size}: dims leave out the batch dimension (Triton's full shape is [-1] + dims).",
