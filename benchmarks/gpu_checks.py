@@ -12,6 +12,9 @@
   PyTorch eager       prefill of the model in fp16 with CUDA events (the baseline of the TensorRT goal)
   plugin engine       `andrea-export build` fp16 with TensorRT and the plugin, verified (Polygraphy's TensorRT
                       runner; the KV-cache decoder through the runtime's TensorRT session)
+  bare TensorRT load  that build's plans deserialized in a fresh Python process that imports only tensorrt (nothing
+                      of this package, no plugin creator registered: the AOT kernel must be in the engine), and run
+                      by `trtexec --loadEngine` where trtexec is installed
   native engine       the native-GELU engine of the same graph
   plugin vs native    prefill of both engines, interleaved (bench harness, CUDA events); goal: within 10 %
   TensorRT vs PyTorch goal: TensorRT >= 3x faster than PyTorch eager
@@ -37,8 +40,8 @@ results): a section starts only when its estimated cost fits in what is left, el
 reason, and an alarm stops a section that overruns the budget. The order is by value per second: the kernel
 sections (about a minute and a half together) first, then PyTorch, then the engines (about 6 minutes),
 which are what a short window drops: the native engine and the engine timings go first, then the plugin
-build. By the estimates the default budget runs every section but the quantized engines (about 560 s
-with the session reload; the quantized builds need --budget 760, or --tiny, where everything fits). The estimates are
+build. By the estimates the default budget runs every section but the quantized engines (about 590 s
+with the session reload; the quantized builds need --budget 790, or --tiny, where everything fits). The estimates are
 guesses for ANDREA-120M on one H100/H200-class GPU, not yet measured there; --tiny uses the tiny model.
 
 Exit status: 0 when no row is FAIL (SKIP and SLOW rows do not fail the run), 1 otherwise.
@@ -52,7 +55,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -329,6 +335,125 @@ def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     return run
 
 
+# Run in a fresh interpreter: imports tensorrt and nothing else of ours, registers nothing, deserializes each plan
+# given, and prints one JSON line: TensorRT's version, per plan whether an engine came back (TensorRT's errors, kept by
+# its logger, when not) and each profile's opt input shapes (for trtexec), and which andrea_export modules the
+# process holds (none, or the load proves nothing).
+BARE_LOAD = r"""
+import json, sys
+
+result = {"plans": {}}
+try:
+    import tensorrt as trt
+
+    class Log(trt.ILogger):  # TensorRT says why it returns no engine only to its logger
+        def __init__(self):
+            trt.ILogger.__init__(self)
+            self.errors = []
+
+        def log(self, severity, msg):
+            S = trt.ILogger.Severity
+            if severity in (S.INTERNAL_ERROR, S.ERROR):
+                self.errors.append(msg)
+            if severity in (S.INTERNAL_ERROR, S.ERROR, S.WARNING):
+                print(f"[TRT] {severity.name}: {msg}", file=sys.stderr)
+
+    log = Log()
+    runtime = trt.Runtime(log)
+    result["tensorrt"] = trt.__version__
+    for path in sys.argv[1:]:
+        entry = result["plans"][path] = {"ok": False}
+        log.errors = []
+        try:
+            with open(path, "rb") as f:
+                engine = runtime.deserialize_cuda_engine(f.read())
+            if engine is not None:
+                names = [engine.get_tensor_name(i) for i in range(engine.num_io_tensors)]
+                inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
+                entry.update(ok=True, io_tensors=len(names))
+                entry["profiles"] = [{n: [int(d) for d in engine.get_tensor_profile_shape(n, p)[1]] for n in inputs
+                                      if -1 in tuple(engine.get_tensor_shape(n))}
+                                     for p in range(engine.num_optimization_profiles)]
+                del engine
+        except Exception as e:
+            entry["exception"] = f"{type(e).__name__}: {e}"
+        entry["errors"] = list(log.errors)
+except Exception as e:
+    result["error"] = f"{type(e).__name__}: {e}"
+result["imported"] = sorted(m for m in sys.modules if m.split(".")[0] == "andrea_export")
+print("BARE-LOAD " + json.dumps(result), flush=True)
+"""
+TRTEXEC_ELSEWHERE = ("/usr/src/tensorrt/bin/trtexec",)  # where TensorRT's deb packages put it, off PATH
+
+
+def bare_load_command(plans: list[Path]) -> list[str]:
+    """The fresh process that loads `plans` with nothing but tensorrt imported (see BARE_LOAD)."""
+    return [sys.executable, "-c", BARE_LOAD, *(str(p) for p in plans)]
+
+
+def trtexec_command(trtexec: str, plan: Path, profiles: list[dict[str, list[int]]]) -> list[str]:
+    """trtexec running `plan` once, on the first profile whose opt shapes have no empty tensor (the decoder's prefill
+    profile has an empty past), at those shapes; dynamic inputs left unset would be 1 in every dimension."""
+    index = next((i for i, shapes in enumerate(profiles) if all(0 not in s for s in shapes.values())), 0)
+    cmd = [trtexec, f"--loadEngine={plan}", "--iterations=1", "--warmUp=0", "--duration=0"]
+    if profiles:
+        cmd.append(f"--profile={index}")
+        if profiles[index]:
+            cmd.append("--shapes=" + ",".join(f"{n}:{'x'.join(map(str, s))}" for n, s in profiles[index].items()))
+    return cmd
+
+
+def _trtexec() -> str | None:
+    return shutil.which("trtexec") or next((p for p in TRTEXEC_ELSEWHERE if os.access(p, os.X_OK)), None)
+
+
+def bare_load(c: Checks) -> Any:
+    """The claim that a plugin engine runs without Python (register.py: the AOT kernel is in the engine), exercised:
+    every plan of the plugin build, deserialized in a fresh process that imports only tensorrt, then run by trtexec
+    (TensorRT's C++ tool) where it is installed. One row per plan and tool."""
+    out, m = c.results["plugin engine"]
+    plans = [out / a["path"] for a in m["artifacts"].values() if str(a["path"]).endswith(".plan")]
+    if not plans:
+        raise Skip("the build has no .plan files")
+    proc = subprocess.run(bare_load_command(plans), capture_output=True, text=True, timeout=300, cwd=out,
+                          check=False)
+    line = next((ln for ln in reversed(proc.stdout.splitlines()) if ln.startswith("BARE-LOAD ")), None)
+    if line is None:
+        raise RuntimeError(f"the loading process printed no result (exit {proc.returncode}): "
+                           f"{(proc.stderr.strip().splitlines() or ['no output'])[-1]}")
+    result = json.loads(line.removeprefix("BARE-LOAD "))
+    if "error" in result:
+        raise RuntimeError(f"the loading process: {result['error']}")
+    if result["imported"]:
+        c.row("bare TensorRT load", "bare process", "FAIL", f"the loading process imported {', '.join(result['imported'])}: "
+              "not a load without this package")  # fmt: skip
+    where = f"TensorRT {result['tensorrt']}, in a process that imported only tensorrt (nothing registered),"
+    for plan in plans:
+        e = result["plans"][str(plan)]
+        if e["ok"] and "exception" not in e:
+            c.row("bare TensorRT load", f"bare load {plan.name}", "ok", f"{where} deserialized it: {e['io_tensors']} "
+                  "I/O tensors")  # fmt: skip
+        else:
+            why = e.get("exception") if e["ok"] else "; ".join(e["errors"][:2]) or e.get("exception") or "no error logged"
+            c.row("bare TensorRT load", f"bare load {plan.name}", "FAIL",
+                  f"{where} {'deserialized it, then' if e['ok'] else 'returned no engine:'} {why}")
+    trtexec = _trtexec()
+    if trtexec is None:
+        c.row("bare TensorRT load", "trtexec --loadEngine", "SKIP", "trtexec is neither on PATH nor in "
+              f"{', '.join(TRTEXEC_ELSEWHERE)} (TensorRT's tar and deb packages have it in their bin folder)")  # fmt: skip
+        return result
+    for plan in plans:
+        cmd = trtexec_command(trtexec, plan, result["plans"][str(plan)].get("profiles", []))
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=out, check=False)
+        lines = (run.stdout + run.stderr).splitlines()
+        said = next((ln for ln in lines if "[E]" in ln), None) or next((ln for ln in lines if ln.startswith("&&&&")),
+                                                                         (lines or ["no output"])[-1])
+        profile = next((a.removeprefix("--") for a in cmd if a.startswith("--profile=")), "no profile")
+        c.row("bare TensorRT load", f"trtexec {plan.name}", "ok" if run.returncode == 0 else "FAIL",
+              f"--loadEngine, one run ({profile}, its opt shapes): exit {run.returncode}; {said.strip()}")
+    return result
+
+
 def _gate_rows(c: Checks, section: str, folder: Path) -> None:
     """One row per path of the decoder engine's gate (verify/engine.py) as verify.json records it: the CUDA-graph
     session (captured or not, and why) and the uncaptured one, each with its greedy run and full-context boundary."""
@@ -454,6 +579,7 @@ def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     c.section("kernel speed", speed(n), 30, needs=("PTX load",))
     c.section("PyTorch eager", torch_eager(plan), 30 * big)
     c.section("plugin engine", plugin_engine(plan, workdir), 240 * big)  # two TensorRT builds + verification
+    c.section("bare TensorRT load", bare_load, 20, needs=("plugin engine",))  # starting Python and trtexec, mostly
     c.section("native engine", native_engine(plan, workdir), 90 * big, needs=("plugin engine",))
     c.section("plugin vs native", plugin_vs_native(plan, workdir), 45 * big, needs=("plugin engine", "native engine"))
     c.section("TensorRT vs PyTorch", trt_vs_torch(plan), 1, needs=("PyTorch eager", "plugin vs native"))

@@ -107,16 +107,111 @@ def _ok(cudart, result, what: str):
     return values[0] if len(values) == 1 else values
 
 
-def _refit_if_stripped(trt, engine, engine_path: Path) -> None:
-    """A weight-stripped engine (its .plan.json says so) gets its weights from the ONNX beside it
-    (engine/refit.py, which imports nothing of the builder: a runtime loads without the build machinery)."""
-    from ..engine.refit import refit_stripped, sidecar_path
+def _engine_info(engine_path: Path) -> dict:
+    """The build's sidecar beside the engine (`<plan>.json`: what built it, for which GPU, its plugin layers), or {}."""
+    from ..engine.refit import sidecar_path
     from ..userfiles import MAX_JSON_BYTES, read_json
 
     side = sidecar_path(engine_path)
     info = read_json(side, MAX_JSON_BYTES, "an engine sidecar", InputError) if side.is_file() else {}
-    if isinstance(info, dict) and info.get("weights_stripped"):
+    return info if isinstance(info, dict) else {}
+
+
+def _refit_if_stripped(trt, engine, engine_path: Path, info: dict) -> None:
+    """A weight-stripped engine (its .plan.json says so) gets its weights from the ONNX beside it
+    (engine/refit.py, which imports nothing of the builder: a runtime loads without the build machinery)."""
+    from ..engine.refit import refit_stripped
+
+    if info.get("weights_stripped"):
         refit_stripped(trt, engine, engine_path, info)
+
+
+def _gpu_compute_capability(cudart) -> str | None:
+    """This GPU's compute capability ("8.9") as the CUDA runtime the session drives reports it; None if it cannot say."""
+    try:
+        device = _ok(cudart, cudart.cudaGetDevice(), "cudaGetDevice")
+        attr = cudart.cudaDeviceAttr
+        major, minor = (_ok(cudart, cudart.cudaDeviceGetAttribute(a, device), "cudaDeviceGetAttribute")
+                        for a in (attr.cudaDevAttrComputeCapabilityMajor, attr.cudaDevAttrComputeCapabilityMinor))
+    except (CudaError, AttributeError, TypeError, ValueError):
+        return None
+    return f"{int(major)}.{int(minor)}"
+
+
+def _installed(trt) -> tuple[str, str]:
+    """(builder, version) of the TensorRT module the session runs: ("tensorrt", "10.13.3.9"), ("tensorrt-rtx", ...)."""
+    from ..engine.builders import BUILDER_MODULES
+
+    name = getattr(trt, "__name__", "tensorrt")
+    builder = next((b for b, (module, _) in BUILDER_MODULES.items() if module == name), "tensorrt")
+    return builder, str(getattr(trt, "__version__", "?"))
+
+
+def _check_built_for_here(trt, cudart, engine_path: Path, info: dict) -> None:
+    """The build's sidecar against this process, before TensorRT is asked: TensorRT refuses an engine of another
+    version ("By default, TensorRT engines are compatible only with the version of TensorRT used to build them") or
+    one built for another GPU architecture (not portable across them without hardware compatibility, which these
+    builds do not use), and says why only in its log. InputError naming what differs; nothing when the sidecar does
+    not say. TensorRT-RTX's several targets, and its JIT, are left to TensorRT-RTX."""
+    from ..engine.builders import BUILDER_MODULES, BUILDER_NAMES
+    from ..engine.refit import sidecar_path
+
+    here, version = _installed(trt)
+    builder, recorded = info.get("builder"), info.get("builder_version")
+    side = sidecar_path(engine_path).name
+    if builder in BUILDER_NAMES and recorded is not None and (builder, str(recorded)) != (here, version):
+        fix = (f"install {BUILDER_MODULES[builder][0]}=={recorded}" if builder == here
+               else f"rebuild it with --builder {here}")
+        raise InputError(f"{engine_path}: built with {BUILDER_NAMES[builder]} {recorded} ({side} says), but this process "
+                         f"has {BUILDER_NAMES[here]} {version}; TensorRT loads an engine only in the version that built "
+                         f"it: rebuild it here, or {fix}")
+    targets = [str(t) for t in info.get("compute_capabilities") or []]
+    cc = _gpu_compute_capability(cudart)
+    if builder == "tensorrt" and targets and "?" not in targets and cc is not None and cc not in targets:
+        raise InputError(f"{engine_path}: built for compute capability {', '.join(targets)} ({side} says), but this GPU "
+                         f"is {cc}; a TensorRT engine runs only on the compute capability it was built for: rebuild it "
+                         "on this GPU")
+
+
+def _not_deserialized(trt, cudart, engine_path: Path, info: dict) -> str:
+    """Why TensorRT most likely returned no engine, from what the sidecar records against this process (the last
+    resort: _check_built_for_here found nothing, or there is no sidecar). TensorRT's own reason is only in its log."""
+    from ..engine.builders import BUILDER_NAMES
+    from ..engine.refit import sidecar_path
+    from ..folder.atomic import sha256_file
+    from ..plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+    here, version = _installed(trt)
+    name, cc, side = f"{BUILDER_NAMES[here]} {version}", _gpu_compute_capability(cudart), sidecar_path(engine_path).name
+    head = f"{engine_path}: {name} could not deserialize this engine (TensorRT's own error is in the log above)"
+    creators = f"{PLUGIN_NAMESPACE}::{GELU_OP}, {PLUGIN_NAMESPACE}::{GELU_BIAS_OP}, version {PLUGIN_VERSION}"
+    if not info:
+        return (f"{head}, and no {side} beside it records what built it. Likely causes: it was built by another "
+                f"TensorRT version (this is {name}; an engine loads only in the version that built it), or for another "
+                f"GPU (this one is compute capability {cc or 'unknown'}; an engine runs only on the compute capability "
+                "it was built for, unless built hardware-compatible), or it has plugin layers whose creators are not "
+                f"registered in this process (such as {creators}; an AOT plugin's kernel is in the engine, which then "
+                "needs none). Rebuild it here")
+    builder, targets = info.get("builder"), ", ".join(str(t) for t in info.get("compute_capabilities") or []) or "?"
+    built = f"{BUILDER_NAMES.get(builder, builder)} {info.get('builder_version')}, compute capability {targets}"
+    checked = builder == here and cc is not None and cc in targets.split(", ")
+    about = (f"What built it ({side}: {built}) matches this process ({name}, compute capability {cc})" if checked
+             else f"It was built by {built} ({side} says); this process has {name}, compute capability {cc or 'unknown'}")
+    causes = []
+    if info.get("plan_sha256") and sha256_file(engine_path) != info["plan_sha256"]:
+        causes.append(f"the file is not the engine {side} describes (its sha256 differs): rebuild it")
+    if not checked and builder == here and cc is not None:
+        causes.append(f"this GPU ({cc}) may not be one it was built for ({targets})")
+    if info.get("plugin_layers"):
+        causes.append(f"its {info['plugin_layers']} plugin layers need their plugin creators ({creators}) registered in "
+                      "this process, unless they were built ahead of time (AOT: the kernel is in the engine and no "
+                      "creator is needed; the log above names a creator TensorRT could not find): load it where they "
+                      "are registered (andrea_export.plugin.register.register_plugins()), or rebuild it with the AOT "
+                      "plugins")
+    if not causes:
+        causes.append("none that the build's record shows (a damaged file, a driver too old for it, or too little GPU "
+                      "memory: see the log above)")
+    return f"{head}. {about}. Likely cause: " + "; ".join(causes)
 
 
 def bind(ctx, shapes: dict[str, tuple], addresses: dict[str, int]) -> None:
@@ -161,10 +256,12 @@ class TrtSession(SerialSession):
         rt, trt, cfg, layout = self.cudart, self.trt, self.cfg, self.layout
         self.cuda_stream = int(_ok(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
         self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+        info = _engine_info(engine_path)
+        _check_built_for_here(trt, rt, engine_path, info)  # what the sidecar can tell, said before TensorRT refuses
         self.engine = self._runtime.deserialize_cuda_engine(engine_path.read_bytes())
         if self.engine is None:
-            raise InputError(f"{engine_path}: TensorRT could not deserialize this engine (see the log above)")
-        _refit_if_stripped(trt, self.engine, engine_path)
+            raise InputError(_not_deserialized(trt, rt, engine_path, info))
+        _refit_if_stripped(trt, self.engine, engine_path, info)
         self._check_engine()
         self.dtypes = self._engine_dtypes()  # tensor name -> numpy dtype, as the engine declares it
         # the cache's element type is the engine's (fp16/bf16 builds), whatever graph the layout was read from

@@ -1,5 +1,6 @@
 """The GPU-side scripts at least compile here and say clearly why they cannot run without a GPU."""
 
+import ast
 import io
 import json
 import os
@@ -21,8 +22,8 @@ def test_scripts_compile(script):
 
 
 SECTIONS = ["kernel compile", "driver", "PTX load", "kernel correctness", "kernel speed", "PyTorch eager",
-            "plugin engine", "native engine", "plugin vs native", "TensorRT vs PyTorch", "session reload",
-            "quantized engines"]  # fmt: skip
+            "plugin engine", "bare TensorRT load", "native engine", "plugin vs native", "TensorRT vs PyTorch",
+            "session reload", "quantized engines"]  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run benchmarks/gpu_checks.py itself")
@@ -44,7 +45,7 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path):
     assert all(status[s] == "SKIP" and r["detail"] for s, r in zip(SECTIONS[1:], rows[1:]))  # each says why
     why = {r["section"]: r["detail"] for r in rows}
     assert why["PTX load"] == "no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU host"
-    assert why["native engine"] == "needs plugin engine (SKIP)"
+    assert why["native engine"] == why["bare TensorRT load"] == "needs plugin engine (SKIP)"
     if not __import__("andrea_export.errors", fromlist=["installed"]).installed("tensorrt"):
         assert why["plugin engine"].startswith("TensorRT is not installed (pip install 'andrea-export[tensorrt]')")
 
@@ -305,3 +306,145 @@ def test_gpu_checks_on_a_bare_host(tmp_path, pythonpath):
     assert why["PyTorch eager"] == "no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU host"
     assert why["plugin engine"].startswith("TensorRT is not installed")
     assert why["quantized engines"].startswith("TensorRT is not installed")
+
+
+# A `tensorrt` of the loading process's own: deserializes a JSON "plan" (its inputs' shapes and each profile's
+# min/opt/max), else logs TensorRT's error and returns None; with STUB_TRT_IMPORTS_ANDREA set it imports the package
+# on import, as a process where something registered the plugins would hold it.
+STUB_TENSORRT = r"""
+import enum, json, os
+
+__version__ = "10.13.3.9"
+if os.environ.get("STUB_TRT_IMPORTS_ANDREA"):
+    import andrea_export.plugin
+
+
+class TensorIOMode(enum.IntEnum):
+    INPUT = 1
+    OUTPUT = 2
+
+
+class ILogger:
+    class Severity(enum.IntEnum):
+        INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = range(5)
+
+    def __init__(self):
+        pass
+
+
+class Engine:
+    def __init__(self, spec):
+        self.spec = spec
+        self.names = [*spec, "logits"]
+        self.num_io_tensors = len(self.names)
+        self.num_optimization_profiles = len(next(iter(spec.values()))["profiles"])
+
+    def get_tensor_name(self, i):
+        return self.names[i]
+
+    def get_tensor_mode(self, name):
+        return TensorIOMode.INPUT if name in self.spec else TensorIOMode.OUTPUT
+
+    def get_tensor_shape(self, name):
+        return tuple(self.spec[name]["shape"])
+
+    def get_tensor_profile_shape(self, name, profile):
+        return [tuple(s) for s in self.spec[name]["profiles"][profile]]
+
+
+class Runtime:
+    def __init__(self, logger):
+        self.logger = logger
+
+    def deserialize_cuda_engine(self, data):
+        try:
+            return Engine(json.loads(data))
+        except ValueError:
+            self.logger.log(ILogger.Severity.ERROR, "1: Serialization (Magic tag does not match)")
+            self.logger.log(ILogger.Severity.ERROR, "4: Internal Error (Engine deserialization failed.)")
+            return None
+"""
+
+FAKE_TRTEXEC = """#!/bin/sh
+echo "$@" >> "$(dirname "$0")/calls.txt"
+case "$1" in *bad.plan) echo "[E] [TRT] 1: Serialization (Magic tag does not match)"; exit 1;; esac
+echo "&&&& PASSED TensorRT.trtexec [TensorRT v101303] # trtexec $*"
+"""
+
+
+def _bare_load_fixture(tmp_path, monkeypatch):
+    """A plugin build's folder with a good decoder plan (prefill profile: empty past; decode profile) and a bad one,
+    and the stub `tensorrt` on PYTHONPATH (the loading process inherits the environment)."""
+    stub = tmp_path / "stub" / "tensorrt"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text(STUB_TENSORRT)
+    monkeypatch.setenv("PYTHONPATH", str(stub.parent))
+    out = tmp_path / "build"
+    out.mkdir()
+    (out / "decoder.plan").write_text(json.dumps({
+        "input_ids": {"shape": [1, -1], "profiles": [[[1, 1], [1, 16], [1, 64]], [[1, 1], [1, 1], [1, 1]]]},
+        "past": {"shape": [1, 2, -1, 4], "profiles": [[[1, 2, 0, 4]] * 3, [[1, 2, 1, 4], [1, 2, 8, 4], [1, 2, 63, 4]]]},
+    }))  # fmt: skip
+    (out / "bad.plan").write_bytes(b"\x00 not an engine")
+    artifacts = {"decoder_engine": {"path": "decoder.plan"}, "engine": {"path": "bad.plan"},
+                 "decoder_onnx": {"path": "decoder.onnx"}}  # fmt: skip
+    return out, {"artifacts": artifacts}
+
+
+def test_bare_load_deserializes_each_plan_where_only_tensorrt_is_imported(tmp_path, monkeypatch):
+    """The section's fresh process imports tensorrt and nothing of this package: each .plan of the build is a row (ok
+    with its I/O count, FAIL with TensorRT's logged reason); without trtexec a SKIP row says where it looked. A
+    process that holds the package (something could have registered the plugins there) is a FAIL row."""
+    gc, c = _checks(tmp_path)
+    out, manifest = _bare_load_fixture(tmp_path, monkeypatch)
+    monkeypatch.setattr(gc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(gc, "TRTEXEC_ELSEWHERE", (str(tmp_path / "no-trtexec"),))
+    cmd = gc.bare_load_command([out / "decoder.plan"])
+    assert cmd[:2] == [sys.executable, "-c"] and cmd[3:] == [str(out / "decoder.plan")]
+    imports = {a.name for n in ast.walk(ast.parse(cmd[2])) if isinstance(n, ast.Import) for a in n.names}
+    assert imports == {"json", "sys", "tensorrt"} and not [n for n in ast.walk(ast.parse(cmd[2]))
+                                                          if isinstance(n, ast.ImportFrom)]  # nothing of ours
+    c.results["plugin engine"] = (out, manifest)
+    c.section("bare TensorRT load", gc.bare_load, 20, needs=("plugin engine",))
+    got = [(r["check"], r["status"], r["detail"]) for r in c.rows]
+    where = "TensorRT 10.13.3.9, in a process that imported only tensorrt (nothing registered),"
+    assert got == [
+        ("bare load decoder.plan", "ok", f"{where} deserialized it: 3 I/O tensors"),
+        ("bare load bad.plan", "FAIL", (f"{where} returned no engine: 1: Serialization (Magic tag does not match); "
+                                        "4: Internal Error (Engine deserialization failed.)")),
+        ("trtexec --loadEngine", "SKIP", (f"trtexec is neither on PATH nor in {tmp_path / 'no-trtexec'} (TensorRT's "
+                                          "tar and deb packages have it in their bin folder)")),
+    ], got  # fmt: skip
+    monkeypatch.setenv("STUB_TRT_IMPORTS_ANDREA", "1")
+    gc, c = _checks(tmp_path)
+    c.results["plugin engine"] = (out, manifest)
+    c.section("bare TensorRT load", gc.bare_load, 20)
+    assert (c.rows[0]["check"], c.rows[0]["status"]) == ("bare process", "FAIL")
+    assert c.rows[0]["detail"].startswith("the loading process imported andrea_export, andrea_export.plugin")
+
+
+def test_bare_load_runs_each_plan_in_trtexec_on_a_profile_without_empty_tensors(tmp_path, monkeypatch):
+    """Where trtexec is installed, each plan runs once in it: on the first profile whose opt shapes have no empty
+    tensor (the decoder's prefill profile has an empty past, so its decode profile), at those shapes (trtexec sets
+    dynamic dimensions it is not given to 1). Its exit status is the row's."""
+    gc, c = _checks(tmp_path)
+    out, manifest = _bare_load_fixture(tmp_path, monkeypatch)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "trtexec").write_text(FAKE_TRTEXEC)
+    (bin_dir / "trtexec").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    c.results["plugin engine"] = (out, manifest)
+    c.section("bare TensorRT load", gc.bare_load, 20)
+    rows = {r["check"]: r for r in c.rows}
+    assert rows["trtexec decoder.plan"]["status"] == "ok", rows
+    assert rows["trtexec decoder.plan"]["detail"].startswith("--loadEngine, one run (profile=1, its opt shapes): exit 0; "
+                                                             "&&&& PASSED TensorRT.trtexec")  # fmt: skip
+    assert rows["trtexec bad.plan"]["status"] == "FAIL"
+    assert rows["trtexec bad.plan"]["detail"].endswith("exit 1; [E] [TRT] 1: Serialization (Magic tag does not match)")
+    calls = (bin_dir / "calls.txt").read_text().splitlines()
+    assert calls == [(f"--loadEngine={out / 'decoder.plan'} --iterations=1 --warmUp=0 --duration=0 --profile=1 "
+                      "--shapes=input_ids:1x1,past:1x2x8x4"),
+                     f"--loadEngine={out / 'bad.plan'} --iterations=1 --warmUp=0 --duration=0"]  # fmt: skip
+    assert gc.trtexec_command("trtexec", out / "p.plan", [{"input_ids": [2, 64]}])[-2:] == [
+        "--profile=0", "--shapes=input_ids:2x64"]  # the prefill engine: one profile

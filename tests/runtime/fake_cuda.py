@@ -42,6 +42,27 @@ CPU provider has no bf16 kernels, so a bf16 graph runs as `precision.emulate_in_
 rounded to bf16, bf16 tensors widened exactly to float32 on the way in and narrowed (exactly: the values are
 already bf16-rounded) on the way out. The signatures follow cuda-python 12.x/13.x (every call returns a tuple
 whose first element is a cudaError_t) and TensorRT 10/11 (`execute_async_v3`, `set_tensor_address`, ...).
+
+A fake plan also records what a real one carries about where it may load: the TensorRT version that built it,
+the compute capability it was built for (and its hardware-compatibility level), and the plugin creators its
+plugin layers came from, each marked AOT or not. `deserialize_cuda_engine` checks them like TensorRT does and,
+like TensorRT, returns None and says why only through the Logger (TensorRT's own wording):
+
+- another TensorRT version: "By default, TensorRT engines are compatible only with the version of TensorRT used
+  to build them" (docs, Engine Compatibility / Version Compatibility; version-compatible builds are not modelled:
+  this project does not make them);
+- another compute capability: without hardware compatibility "engines are not portable across different GPU
+  architectures" (Support Matrix, Engine Portability); level AMPERE_PLUS runs on compute capability 8.0 and up,
+  SAME_COMPUTE_CAPABILITY (like NONE here, where every GPU of one capability is the same) on the same;
+- a plugin layer whose creator is not in the process's plugin registry ("Cannot deserialize plugin since
+  corresponding IPluginCreator not found in Plugin Registry"), except an AOT plugin's: its kernel is part of
+  the engine, which "does not require any Python modules or definitions to be present at runtime" and runs on
+  the standard TensorRT runtime, trtexec included (NVIDIA/TensorRT samples/python/quickly_deployable_plugins,
+  README, "Loading and running a TRT engine containing an AOT plugin").
+
+The GPU's compute capability is the fake device's (FakeCudart(compute_capability=...), which answers
+cudaDeviceGetAttribute as the runtime does); the installed TensorRT version and the registered plugin creators
+are fake_tensorrt's arguments. The defaults load every plan write_plan writes by default.
 """
 
 from __future__ import annotations
@@ -50,6 +71,7 @@ import bisect
 import ctypes
 import enum
 import json
+import sys
 import types
 from pathlib import Path
 
@@ -62,6 +84,7 @@ class cudaError_t(enum.IntEnum):  # the values of CUDA's driver_types.h
     cudaErrorInvalidValue = 1
     cudaErrorMemoryAllocation = 2
     cudaErrorInvalidPitchValue = 12
+    cudaErrorInvalidDevice = 101
     cudaErrorInvalidDevicePointer = 17
     cudaErrorInvalidMemcpyDirection = 21
     cudaErrorInvalidResourceHandle = 400
@@ -77,6 +100,11 @@ class cudaMemcpyKind(enum.IntEnum):
     cudaMemcpyDeviceToHost = 2
     cudaMemcpyDeviceToDevice = 3
     cudaMemcpyDefault = 4
+
+
+class cudaDeviceAttr(enum.IntEnum):  # driver_types.h
+    cudaDevAttrComputeCapabilityMajor = 75
+    cudaDevAttrComputeCapabilityMinor = 76
 
 
 class cudaStreamCaptureMode(enum.IntEnum):
@@ -104,18 +132,23 @@ class _Fault(Exception):
 
 OK = (cudaError_t.cudaSuccess,)
 ALIGN = 256  # cudaMalloc's alignment
+TRT_VERSION = "10.13.3"  # the TensorRT fake_tensorrt "is" and write_plan's plans were "built" with, by default
+COMPUTE_CAPABILITY = "9.0"  # the fake GPU's, and what write_plan's plans were "built" for, by default
+HARDWARE_COMPATIBILITY = ("NONE", "AMPERE_PLUS", "SAME_COMPUTE_CAPABILITY")  # trt.HardwareCompatibilityLevel
 
 
 class FakeCudart:
     """cuda.bindings.runtime, on host memory, enforcing the contracts listed in the module docstring."""
 
     cudaError_t = cudaError_t
+    cudaDeviceAttr = cudaDeviceAttr
     cudaMemcpyKind = cudaMemcpyKind
     cudaStreamCaptureMode = cudaStreamCaptureMode
     cudaStreamDefault = 0
     cudaStreamNonBlocking = 1
 
-    def __init__(self):
+    def __init__(self, compute_capability: str = COMPUTE_CAPABILITY):
+        self.compute_capability = compute_capability  # the one GPU's (device 0), "8.9"
         self._blocks: dict[int, np.ndarray] = {}  # base address -> its bytes (a view of a larger, aligned buffer)
         self._bases: list[int] = []  # sorted
         self._pinned: dict[int, np.ndarray] = {}  # page-locked host memory (cudaMallocHost), the same way
@@ -227,6 +260,20 @@ class FakeCudart:
             op()
         except _Fault as e:  # asynchronous: reported by the next call that synchronizes
             self.sticky, self.fault = cudaError_t.cudaErrorIllegalAddress, f"{what}: {e}"
+
+    # -- the device ----------------------------------------------------------------------------------
+    def cudaGetDevice(self):
+        return cudaError_t.cudaSuccess, 0
+
+    def cudaDeviceGetAttribute(self, attr, device):
+        if int(device) != 0:
+            return cudaError_t.cudaErrorInvalidDevice, 0
+        major, minor = (int(x) for x in self.compute_capability.split("."))
+        values = {cudaDeviceAttr.cudaDevAttrComputeCapabilityMajor: major,
+                  cudaDeviceAttr.cudaDevAttrComputeCapabilityMinor: minor}
+        if attr not in values:
+            return cudaError_t.cudaErrorInvalidValue, 0
+        return cudaError_t.cudaSuccess, values[attr]
 
     # -- memory --------------------------------------------------------------------------------------
     def _allocate(self, size, pinned: bool):
@@ -483,16 +530,40 @@ def plugin_storage(model) -> str | None:
     return names[kinds.pop()]
 
 
-def write_plan(path: str | Path, onnx_path: str | Path, profiles: list[dict], *, fail_capture: bool = False) -> Path:
+def graph_plugins(onnx_path: str | Path) -> list[dict]:
+    """The plugin creators an engine built from `onnx_path` by this project's TensorRT build uses: one per plugin op
+    of the graph, AOT (register.py registers only `aot_impl`s, so the builder embeds the kernel)."""
+    import onnx
+
+    from andrea_export.plugin import PLUGIN_NAMESPACE, PLUGIN_VERSION
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    ops = sorted({n.op_type for n in graph.node if n.domain == PLUGIN_NAMESPACE})
+    return [{"name": op, "namespace": PLUGIN_NAMESPACE, "version": PLUGIN_VERSION, "aot": True} for op in ops]
+
+
+def write_plan(path: str | Path, onnx_path: str | Path, profiles: list[dict], *, fail_capture: bool = False,
+               trt_version: str = TRT_VERSION, compute_capability: str = COMPUTE_CAPABILITY,
+               hardware_compatibility: str = "NONE", plugins: list[dict] | None = None) -> Path:
     """A fake engine file: the graph it was "built" from and its optimization profiles. `fail_capture`:
-    its enqueue fails while a stream is being captured (an engine that cannot be captured)."""
+    its enqueue fails while a stream is being captured (an engine that cannot be captured). Where it may load:
+    the TensorRT that built it, the compute capability it was built for and its hardware-compatibility level, and
+    the plugin creators of its plugin layers ({"name", "namespace", "version", "aot"}; default: the graph's
+    plugin calls, AOT, as this project builds them)."""
+    assert hardware_compatibility in HARDWARE_COMPATIBILITY, hardware_compatibility
     path = Path(path)
-    path.write_text(json.dumps({"fake_engine": str(onnx_path), "profiles": profiles, "fail_capture": fail_capture}))
+    plugins = graph_plugins(onnx_path) if plugins is None else plugins
+    path.write_text(json.dumps({"fake_engine": str(onnx_path), "profiles": profiles, "fail_capture": fail_capture,
+                                "trt_version": trt_version, "compute_capability": compute_capability,
+                                "hardware_compatibility": hardware_compatibility, "plugins": plugins}))
     return path
 
 
-def fake_tensorrt(cudart: FakeCudart) -> types.SimpleNamespace:
-    """A `tensorrt` module stand-in whose engines run on `cudart`'s memory and streams."""
+def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
+                  plugin_creators: tuple[tuple[str, str, str], ...] = ()) -> types.SimpleNamespace:
+    """A `tensorrt` module stand-in whose engines run on `cudart`'s memory and streams, on its GPU. `version`: the
+    TensorRT installed; `plugin_creators`: what this process registered, as (name, version, namespace) (default:
+    nothing, a fresh process)."""
     import onnx
     import onnxruntime as ort
     from onnx import TensorProto
@@ -601,24 +672,74 @@ def fake_tensorrt(cudart: FakeCudart) -> types.SimpleNamespace:
 
             return cudart.launch_kernel(stream_handle, kernel, f"enqueue profile {self.profile}")[0] == cudaError_t.cudaSuccess
 
-    class Runtime:
-        def __init__(self, logger):
-            pass
-
-        def deserialize_cuda_engine(self, serialized_engine):
-            try:
-                spec = json.loads(bytes(serialized_engine))
-            except ValueError:
-                return None  # the real call logs and returns None
-            return Engine(spec)
-
     class Logger:
+        """trt.Logger: prints what reaches its severity to stderr ("[TRT] [E] ..."), and keeps every message."""
+
         INTERNAL_ERROR, ERROR, WARNING, INFO, VERBOSE = 0, 1, 2, 3, 4
 
         def __init__(self, min_severity=WARNING):
-            pass
+            self.min_severity = min_severity
+            self.messages: list[tuple[int, str]] = []
+
+        def log(self, severity, msg):
+            self.messages.append((severity, msg))
+            if severity <= self.min_severity:
+                print(f"[TRT] [{'EEWIV'[severity]}] {msg}", file=sys.stderr)
+
+    class PluginRegistry:
+        """The process's plugin registry: which creators are registered, looked up by (name, version, namespace)."""
+
+        def __init__(self, creators):
+            self.creators = {tuple(c) for c in creators}
+
+        def get_creator(self, name, version, plugin_namespace=""):
+            key = (name, version, plugin_namespace)
+            return key if key in self.creators else None
+
+    registry = PluginRegistry(plugin_creators)
+
+    def compatible(built_for: str, level: str) -> bool:
+        gpu = tuple(int(x) for x in cudart.compute_capability.split("."))
+        if level == "AMPERE_PLUS":
+            return gpu >= (8, 0)
+        return gpu == tuple(int(x) for x in built_for.split("."))  # NONE, SAME_COMPUTE_CAPABILITY
+
+    def refusal(spec: dict) -> list[str]:
+        """Why TensorRT would not deserialize this plan here, in its log's words ([] when it loads), checked in
+        its order: the header (version), the device, then each plugin layer's creator."""
+        if spec.get("trt_version") != version:
+            return [(f"6: The engine plan file is not compatible with this version of TensorRT, expecting library "
+                     f"version {version} got {spec.get('trt_version')}, please rebuild.")]
+        if not compatible(spec["compute_capability"], spec["hardware_compatibility"]):
+            return [(f"6: The engine plan file is generated on an incompatible device, expecting compute "
+                     f"{cudart.compute_capability} got compute {spec['compute_capability']}, please rebuild.")]
+        for p in spec["plugins"]:
+            if not p["aot"] and registry.get_creator(p["name"], p["version"], p["namespace"]) is None:
+                return [f"getCreator could not find plugin {p['name']} version {p['version']} namespace {p['namespace']}",
+                        ("1: Serialization (Serialization assertion creator failed.Cannot deserialize plugin since "
+                         "corresponding IPluginCreator not found in Plugin Registry)")]
+        return []
+
+    class Runtime:
+        def __init__(self, logger):
+            self.logger = logger
+
+        def deserialize_cuda_engine(self, serialized_engine):
+            """An Engine, or None with the reason in the log, as TensorRT does."""
+            try:
+                spec = json.loads(bytes(serialized_engine))
+                why = refusal(spec)
+            except (ValueError, KeyError, TypeError, AttributeError):
+                why = [("1: Serialization (Serialization assertion magicTagRead == kMAGIC_TAG failed.Magic tag does "
+                        "not match)")]
+            if why:
+                for line in why + ["4: Internal Error (Engine deserialization failed.)"]:
+                    self.logger.log(Logger.ERROR, line)
+                return None
+            return Engine(spec)
 
     return types.SimpleNamespace(
+        __name__="tensorrt", __version__=version, get_plugin_registry=lambda: registry,
         Runtime=Runtime, Logger=Logger, DataType=DataType, TensorIOMode=TensorIOMode,
         float32=DataType.FLOAT, float16=DataType.HALF, bfloat16=DataType.BF16, int8=DataType.INT8,
         int32=DataType.INT32, int64=DataType.INT64, bool=DataType.BOOL, uint8=DataType.UINT8,

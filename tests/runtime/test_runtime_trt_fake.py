@@ -653,3 +653,131 @@ def test_a_tensor_address_off_256_bytes_is_refused(device, graphs, tmp_path):
         bind(ctx, {}, {"logits": ptr + 4})
     bind(ctx, {}, {"logits": ptr + 256})
     device.cudaFree(ptr)
+
+
+# --- where an engine loads: TensorRT's refusals, and what the runtime says about them -------------------------
+
+JIT_GELU = [{"name": "TanhGelu", "namespace": "andrea", "version": "1", "aot": False}]  # a plugin that is not AOT
+
+
+def _deserialize(trt, plan):
+    logger = trt.Logger()
+    return trt.Runtime(logger).deserialize_cuda_engine(plan.read_bytes()), [m for _, m in logger.messages]
+
+
+def test_fake_tensorrt_refuses_what_tensorrt_refuses_and_loads_an_aot_plugin_engine_with_nothing_registered(
+        graphs, plugin_graphs, tmp_path, capsys):
+    """deserialize_cuda_engine returns None, TensorRT's reason in its log (printed, as trt.Logger prints), for a plan of
+    another TensorRT version, one built for another compute capability (unless hardware-compatible), and one with a
+    plugin layer whose creator this process has not registered; an AOT plugin's plan needs no creator (its kernel is
+    in the engine), so it loads in a process where nothing was registered."""
+    profiles = optimization_profiles(read_kv_layout(graphs["fp32"]))
+    trt = fake_tensorrt(FakeCudart())
+    assert trt.get_plugin_registry().get_creator("TanhGelu", "1", "andrea") is None  # nothing registered here
+    aot = write_plan(tmp_path / "aot.plan", plugin_graphs["fp32-bias"], profiles)
+    assert json.loads(aot.read_text())["plugins"] == [
+        {"name": "TanhGeluBias", "namespace": "andrea", "version": "1", "aot": True}]  # what the build embeds
+    assert _deserialize(trt, aot)[0] is not None
+
+    engine, log = _deserialize(trt, write_plan(tmp_path / "v.plan", graphs["fp32"], profiles, trt_version="10.9.0"))
+    assert engine is None and "expecting library version 10.13.3 got 10.9.0" in log[0]
+    assert log[-1] == "4: Internal Error (Engine deserialization failed.)"
+    assert "[TRT] [E] 6: The engine plan file is not compatible with this version of TensorRT" in capsys.readouterr().err
+
+    sm89 = fake_tensorrt(FakeCudart(compute_capability="8.9"))
+    engine, log = _deserialize(sm89, write_plan(tmp_path / "cc.plan", graphs["fp32"], profiles))  # built for 9.0
+    assert engine is None and "incompatible device, expecting compute 8.9 got compute 9.0" in log[0]
+    same = write_plan(tmp_path / "same.plan", graphs["fp32"], profiles, hardware_compatibility="SAME_COMPUTE_CAPABILITY")
+    assert _deserialize(sm89, same)[0] is None
+    ampere = write_plan(tmp_path / "ampere.plan", graphs["fp32"], profiles, hardware_compatibility="AMPERE_PLUS")
+    assert _deserialize(sm89, ampere)[0] is not None
+    assert _deserialize(fake_tensorrt(FakeCudart(compute_capability="7.5")), ampere)[0] is None
+
+    jit = write_plan(tmp_path / "jit.plan", plugin_graphs["fp32"], profiles, plugins=JIT_GELU)
+    engine, log = _deserialize(trt, jit)
+    assert engine is None and "could not find plugin TanhGelu version 1 namespace andrea" in log[0]
+    assert "IPluginCreator not found in Plugin Registry" in log[1]
+    registered = fake_tensorrt(FakeCudart(), plugin_creators=[("TanhGelu", "1", "andrea")])
+    assert _deserialize(registered, jit)[0] is not None
+
+    (tmp_path / "junk.plan").write_bytes(b"\x00not an engine")
+    assert _deserialize(trt, tmp_path / "junk.plan")[0] is None
+
+
+def _sidecar(folder, **fields):
+    """decoder.plan.json as the builder writes it beside decoder.plan (what built it, for which GPU)."""
+    plan = folder / "decoder.plan"
+    info = {"builder": "tensorrt", "builder_version": "10.13.3", "plan_bytes": plan.stat().st_size,
+            "plan_sha256": sha256_file(plan), "compute_capabilities": ["9.0"], **fields}
+    (folder / "decoder.plan.json").write_text(json.dumps(info))
+    return info
+
+
+def test_an_engine_of_another_tensorrt_version_is_refused_by_name(device, graphs, tmp_path, capsys):
+    """Built by TensorRT 10.9.0, loaded where 10.13.3 is installed: with the build's sidecar the runtime says so before
+    TensorRT is asked; without one, TensorRT returns no engine and the message names the version installed here as
+    the first likely cause. Nothing is left allocated either way."""
+    folder = _build_folder(tmp_path / "b", graphs["fp32"], trt_version="10.9.0")
+    with pytest.raises(runtime.InputError) as e:
+        runtime.load(folder, backend="tensorrt")
+    msg = str(e.value)
+    assert "could not deserialize" in msg and "(TensorRT's own error is in the log above)" in msg
+    assert "built by another TensorRT version (this is TensorRT 10.13.3;" in msg
+    assert "expecting library version 10.13.3 got 10.9.0" in capsys.readouterr().err  # the log above, really there
+    _closed_clean(device)
+    _sidecar(folder, builder_version="10.9.0")
+    with pytest.raises(runtime.InputError, match=r"decoder.plan: built with TensorRT 10.9.0 \(decoder.plan.json says\), "
+                                                 r"but this process has TensorRT 10.13.3; .*install tensorrt==10.9.0"):
+        runtime.load(folder, backend="tensorrt")
+    assert "[TRT]" not in capsys.readouterr().err  # said before TensorRT was asked
+    _closed_clean(device)
+
+
+def test_an_engine_for_another_gpu_is_refused_by_name(device, graphs, tmp_path, capsys):
+    """Built for compute capability 9.0 (H100/H200), loaded on an 8.9 GPU (L4/L40/RTX 40): named from the sidecar before
+    TensorRT is asked, else as the likely cause after TensorRT refuses; built hardware-compatible, it loads."""
+    device.compute_capability = "8.9"
+    folder = _build_folder(tmp_path / "b", graphs["fp32"])
+    with pytest.raises(runtime.InputError) as e:
+        runtime.load(folder, backend="tensorrt")
+    assert "for another GPU (this one is compute capability 8.9;" in str(e.value)
+    assert "expecting compute 8.9 got compute 9.0" in capsys.readouterr().err
+    _closed_clean(device)
+    _sidecar(folder)
+    with pytest.raises(runtime.InputError, match=r"decoder.plan: built for compute capability 9.0 \(decoder.plan.json "
+                                                 r"says\), but this GPU is 8.9; .*rebuild it on this GPU"):
+        runtime.load(folder, backend="tensorrt")
+    _closed_clean(device)
+    portable = _build_folder(tmp_path / "p", graphs["fp32"], hardware_compatibility="AMPERE_PLUS")
+    with runtime.load(portable, backend="tensorrt") as sess:
+        assert sess.forward(_prompt(4)).shape == (4, ANDREA_TINY.vocab_size)
+    _closed_clean(device)
+
+
+def test_an_engine_whose_plugin_creator_is_missing_names_the_creators(device, graphs, plugin_graphs, expected, tmp_path,
+                                                                      monkeypatch):
+    """A plugin engine whose plugin is not AOT needs its creator registered in the loading process: the sidecar's
+    version and GPU match, TensorRT returns no engine, and the message names the creators it needs. With them
+    registered it loads. This project's AOT engine loads and decodes in a process that registered nothing."""
+    from andrea_export.runtime import trt as trt_backend
+
+    folder = _build_folder(tmp_path / "jit", plugin_graphs["fp32"], plugins=JIT_GELU)
+    layers = sum(n.domain == "andrea" for n in onnx.load(str(plugin_graphs["fp32"])).graph.node)
+    _sidecar(folder, plugin_layers=layers)
+    with pytest.raises(runtime.InputError) as e:
+        runtime.load(folder, backend="tensorrt")
+    msg = str(e.value)
+    assert "matches this process (TensorRT 10.13.3, compute capability 9.0)" in msg
+    assert (f"its {layers} plugin layers need their plugin creators (andrea::TanhGelu, andrea::TanhGeluBias, "
+            "version 1) registered in this process") in msg
+    _closed_clean(device)
+    monkeypatch.setattr(trt_backend, "_tensorrt",
+                        lambda: fake_tensorrt(device, plugin_creators=[("TanhGelu", "1", "andrea")]))
+    runtime.load(folder, backend="tensorrt").close()
+    monkeypatch.setattr(trt_backend, "_tensorrt", lambda: fake_tensorrt(device))  # nothing registered
+    aot = _build_folder(tmp_path / "aot", plugin_graphs["fp32"])
+    _sidecar(aot, plugin_layers=layers)
+    with runtime.load(aot, backend="tensorrt") as sess:
+        assert sess.engine.get_tensor_name(0) == "input_ids"
+        np.testing.assert_allclose(sess.forward(_prompt(64)), expected("fp32", 64)[0], rtol=1e-3, atol=1e-3)
+    _closed_clean(device)
