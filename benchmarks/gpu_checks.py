@@ -456,7 +456,8 @@ def bare_load(c: Checks) -> Any:
 
 def _gate_rows(c: Checks, section: str, folder: Path) -> None:
     """One row per path of the decoder engine's gate (verify/engine.py) as verify.json records it: the CUDA-graph
-    session (captured or not, and why) and the uncaptured one, each with its greedy run and full-context boundary."""
+    session (captured or not, and why), its capture fallback and the growing cache, each with its greedy run and
+    full-context boundary."""
     report = json.loads((folder / "verify.json").read_text())
     gate = (report.get("decoder") or {}).get("engine")
     if not gate:

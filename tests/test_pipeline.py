@@ -321,8 +321,8 @@ def test_a_build_with_a_tokenizer_is_one_genai_and_transformers_tokenize_with(de
 @pytest.mark.parametrize("missing", [("cuda",), ("cuda.bindings", "cuda.cudart")])
 def test_a_gpu_host_without_cuda_python_is_told_before_any_work(monkeypatch, tmp_path, missing):
     """On a GPU host the build checks its engines through the runtime's TensorRT session, which drives CUDA with
-    cuda-python: without it the build stops before the model is even loaded, naming the extra that installs it
-    (it used to fail after both engines were built, throwing the staged build away)."""
+    cuda-python: without it the build stops before the model is even loaded, naming the extra that installs it,
+    rather than after both engines are built, throwing the staged build away."""
     import sys
 
     from andrea_export import errors, pipeline

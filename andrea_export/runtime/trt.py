@@ -192,9 +192,10 @@ def _not_deserialized(trt, cudart, engine_path: Path, info: dict) -> str:
                 "it was built for, unless built hardware-compatible), or it has plugin layers whose creators are not "
                 f"registered in this process (such as {creators}; an AOT plugin's kernel is in the engine, which then "
                 "needs none). Rebuild it here")
-    builder, targets = info.get("builder"), ", ".join(str(t) for t in info.get("compute_capabilities") or []) or "?"
+    builder, ccs = info.get("builder"), [str(t) for t in info.get("compute_capabilities") or []]
+    targets = ", ".join(ccs) or "?"
     built = f"{BUILDER_NAMES.get(builder, builder)} {info.get('builder_version')}, compute capability {targets}"
-    checked = builder == here and cc is not None and cc in targets.split(", ")
+    checked = builder == here and cc is not None and cc in ccs
     about = (f"What built it ({side}: {built}) matches this process ({name}, compute capability {cc})" if checked
              else f"It was built by {built} ({side} says); this process has {name}, compute capability {cc or 'unknown'}")
     causes = []

@@ -7,7 +7,7 @@ against a CPU reference, then timed against a device-to-device copy of the same 
   v3  the production kernel (gelu_tanh.cu, included unchanged): 16-byte vectors, scalar head/tail
   then float32 I/O, what the accurate tanh of the float32 entry points costs:
   f32 accurate   the production gelu_tanh_f32 (polynomial / ex2.approx tanh, about 2^-22 relative)
-  f32 approx     the same kernel body with tanh.approx.f32 (the float32 entry points' earlier tanh)
+  f32 approx     the same kernel body with tanh.approx.f32 (one MUFU.TANH), what the accurate tanh is weighed against
 
 Compile (here, no GPU needed):
   nvcc -O3 -std=c++17 -arch=sm_90 -o /tmp/gelu_lab plugins/gelu_tanh/gelu_tanh_lab.cu

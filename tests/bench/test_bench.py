@@ -696,8 +696,8 @@ def _fake_trt_backend(tmp_path, graph, monkeypatch, stream_ok=True):
 
 
 def test_trt_backend_hands_a_half_precision_engine_its_own_dtypes(fp16_decoder, tmp_path, monkeypatch):
-    """An fp16 decoder engine keeps its cache in 2-byte elements: the bench used to bind the float32 arrays it
-    was given (read as other numbers, and past the buffers' ends); its inputs are now in the engine's dtypes."""
+    """An fp16 decoder engine keeps its cache in 2-byte elements: float32 arrays bound there would be read as other
+    numbers, and past the buffers' ends, so the bench hands every input over in the engine's dtypes."""
     import torch
 
     from andrea_export.graphs.layout import kv_layout
@@ -713,8 +713,8 @@ def test_trt_backend_hands_a_half_precision_engine_its_own_dtypes(fp16_decoder, 
 
 
 def test_trt_backend_refuses_an_engine_whose_decode_profile_tensorrt_refused(fp16_decoder, tmp_path, monkeypatch):
-    """set_optimization_profile_async reports a refusal by returning False; the bench used to time the decode
-    engine on whatever profile was selected. Now the refusal is an error before anything is timed."""
+    """set_optimization_profile_async reports a refusal by returning False; timing the decode engine on whatever
+    profile stayed selected would measure the wrong thing, so the refusal is an error before anything is timed."""
     from andrea_export.errors import CudaError
 
     backend = _fake_trt_backend(tmp_path, fp16_decoder, monkeypatch, stream_ok=False)

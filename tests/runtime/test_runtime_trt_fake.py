@@ -493,8 +493,8 @@ def test_the_fp32_gate_passes_the_plugin_kernel_and_would_fail_tanh_approx_in_it
 def test_the_engine_gate_checks_the_runtimes_capture_fallback(device, gate_only, graphs, lively_model, tmp_path,
                                                               monkeypatch):
     """When a capture fails the runtime runs the fixed-shape step through execute_async_v3: a path of its own,
-    which the gate used to check only for engines that could not be captured. A runtime whose fallback forgets
-    to run the step (its logits those of the step before) now fails the gate with an engine that captures."""
+    which an engine that captures never takes. The gate takes it on purpose, so a runtime whose fallback forgets
+    to run the step (its logits those of the step before) fails the gate with an engine that captures."""
     from andrea_export.runtime import trt as trt_backend
 
     execute = trt_backend.TrtSession._execute

@@ -116,7 +116,8 @@ def write_triton_repo(
         hardlink: hard-link the artifact when on the same file system (else it is copied); a weights
             file is always copied (see the module doc).
         triton_release: the Triton release (YY.MM) that will serve it: recorded in the config, and for a plan
-            refused when that release's container ships another TensorRT, or none is known for it here.
+            refused when that release's container ships another TensorRT (one whose TensorRT is not known here
+            is recorded as not checked).
         manifest: the build's manifest when the caller holds the folder's shared lock and has read it
             (see package); by default the folder is locked and its manifest read here.
     Returns:
