@@ -11,7 +11,7 @@ SERVE_VENV ?= .venv-serve
 # torch 2.13.0 CPU lies on these machines' disk (/opt/wheels); elsewhere pip takes it from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: build test setup serve-env bench-env clean
+.PHONY: build test setup serve-env bench-env clean docs docs-serve
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,13 @@ build: setup
 
 test: setup serve-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The manual (docs/, mkdocs.yml) into site/; --strict: a broken link or a missing API name fails it
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict
+
+docs-serve: setup
+	NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs serve
 
 clean:
 	rm -rf $(VENV) $(SERVE_VENV) .venv-aiperf out
