@@ -287,7 +287,7 @@ def test_text_options_are_checked_before_work(demo_dir, tmp_path):
 
 
 def test_verify_of_a_checkpoint_build_says_the_command_with_its_checkpoint(lively_build, tmp_path):
-    """The README's own flow: a build from a checkpoint, then `verify BUILD`. The recorded path is shown, not
+    """The manual's own flow: a build from a checkpoint, then `verify BUILD`. The recorded path is shown, not
     opened (a folder may come from anyone); the command it gives works as printed."""
     import shlex
 

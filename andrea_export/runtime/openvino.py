@@ -21,7 +21,7 @@ OpenVINO's ScaledDotProductAttention instead, its past read through an identity 
 plugin fuses cache, concatenation and attention into one node (ScaledDotProductAttentionWithKVCache) that
 appends each step's keys and values in place. The cache is then kept at the plugin's KV_CACHE_PRECISION:
 u8 by default on x86 (per token and head, with a scale and zero point), f16, bf16 or f32 when asked
-(`kv_cache_precision`). ANDREA-120M, greedy 32 + 128 tokens, 2 cores: see the README's table.
+(`kv_cache_precision`). ANDREA-120M, greedy 32 + 128 tokens, 2 cores: see docs/benchmarks.md.
 
 Each call gets its own infer request, its states reset. One compiled model serves many threads: infer
 requests are independent (OpenVINO's threading rule), and `infer` releases the GIL while it runs.

@@ -269,7 +269,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 def test_gpu_checks_on_a_bare_host(tmp_path, pythonpath):
     """A bare GPU host has the driver, the CUDA toolkit (its NVRTC), PyTorch, CuPy, numpy, onnx and onnxruntime,
     none of the build's tools (click, rich, Polygraphy, TensorRT, ...), and a plain checkout, not pip-installed (the
-    README's command puts it on PYTHONPATH; the script finds it beside itself without). Here, without a GPU: the
+    manual's command puts it on PYTHONPATH; the script finds it beside itself without). Here, without a GPU: the
     kernel compiles with the toolkit's NVRTC, every other section is a SKIP row with its reason (no missing module
     among them) and the run exits 0."""
     from andrea_export.plugin.compile import find_nvrtc

@@ -120,7 +120,7 @@ def test_a_batch_that_does_not_fit_the_context_is_split(session):
                                                                   session.generate([7, 8], 120)]
 
 
-RUNTIME_NEEDS = {"numpy", "onnx", "onnxruntime"}  # what a runtime-only install brings (README: "Serving")
+RUNTIME_NEEDS = {"numpy", "onnx", "onnxruntime"}  # what a runtime-only install brings (docs/python.md)
 
 
 def _build_only_modules() -> list[str]:
