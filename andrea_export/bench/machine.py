@@ -164,10 +164,7 @@ def environment() -> dict:
     flags = next((ln.split(":", 1)[1].split() for ln in cpuinfo.splitlines() if ln.startswith("flags")), [])
     meminfo = _read("/proc/meminfo")
     mem_kb = next((int(ln.split()[1]) for ln in meminfo.splitlines() if ln.startswith("MemTotal")), None)
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:
-        usable = os.cpu_count()
+    usable = usable_cpus()
     try:
         import onnxruntime as ort
 
@@ -196,6 +193,15 @@ def environment() -> dict:
         "git": _git(),
         "loadavg_start": loadavg(),
     }
+
+
+def usable_cpus() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one), which is what its
+    threads can use; os.cpu_count() counts cores a container or taskset keeps it off."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
 
 
 def loadavg() -> list[float] | None:

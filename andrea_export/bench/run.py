@@ -4,10 +4,12 @@ command lines share."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as _dt
-import os
-from collections.abc import Iterable
+import functools
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -20,7 +22,7 @@ from ..progress import console, styled
 from .backends import DEFAULT_BACKENDS, Backend, Context, Unavailable, default_cache_dir, make_backends
 from .goals import goals, print_summary
 from .harness import Settings, Stats, cuda_event_timer, ratio_median, run_interleaved
-from .machine import combine_limits, environment, load_warnings, loadavg, measure_machine
+from .machine import combine_limits, environment, load_warnings, loadavg, measure_machine, usable_cpus
 from .report import KIND, OURS, SCHEMA_VERSION, inplace_gain, peers, write_outputs
 from .work import (
     DECODE_GRID,
@@ -77,53 +79,164 @@ def run_benchmark(
             onnxruntime-genai always does). A run with any spinning backend waits settings.spin_gap_s
             before each call instead of gap_s, so that the spin of one call does not slow the next.
     """
-    import tempfile
+    scenarios = _known_scenarios(scenarios)
+    settings = settings or (Settings.quick() if quick else Settings())
+    threads = usable_cpus() if threads is None else threads
+    env = environment()
+    if model is None:
+        model = _load_model(config, checkpoint, seed)
+    cfg = model.cfg
+    say = (lambda *a: None) if quiet else console.print
+    cases = _cases(cfg, scenarios, quick, prefill_grid, decode_grid, generate_grid)
+    notes = load_warnings(env.get("loadavg_start"), threads, at_start=True)
+    machine = {"cpu": _announce(notes, cfg, threads, len(cases), quick, say)}
+    with _workdir(workdir, out) as work:
+        ctx = Context(model, threads, work, quiet=quiet)
+        torch.set_num_threads(threads)
+        active, info = _start_backends(make_backends(backends, trt_engines, ort_spin), ctx, scenarios, say)
+        if any(b.spins for b in active):  # their threads spin on after a call: wait that out before the next one
+            settings = dataclasses.replace(settings, gap_s=max(settings.gap_s, settings.spin_gap_s))
+        if any(b.device == "cuda" for b in active) and torch.cuda.is_available():
+            machine["cuda"] = measure_machine(threads, quick=quick, device="cuda")
+        measured, ratios, failed = _measure_cases(cases, active, info, settings, cfg, seed, quiet, say)
+    _measure_limits_again(machine, threads, quick, say)
+    rows = [_row(m, machine.get(m.device, machine["cpu"])) for m in measured]  # GPU rows: GPU limits
+    doc = {
+        **_header(cfg, checkpoint, seed, ctx.fingerprint),
+        "settings": {"threads": threads, "quick": quick, **dataclasses.asdict(settings),
+                     "scenarios": list(scenarios), "seed": seed, "ort_spin": ort_spin, **_TIMING},
+        "environment": env,
+        "machine": {**machine["cpu"], **({"cuda": machine["cuda"]} if "cuda" in machine else {})},
+        "backends": info,
+        "rows": rows,
+        "ratios": ratios,
+        "failed_cases": failed,
+        "loadavg_end": loadavg(),
+    }
+    _conclude(doc, notes, threads)
+    if out is not None:
+        files = write_outputs(doc, out, plots=plots)
+        say("  wrote " + ", ".join(str(p) for p in files.values()))
+    if not quiet:
+        print_summary(doc)
+    return doc
 
+
+_TIMING = {"timer": "time.perf_counter_ns around a synchronous call (CUDA events for TensorRT)",
+           "percentiles": "linear interpolation (numpy default); cv = sample std / mean"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One timed call's shape: `seq` is the prompt length (1 for decode), `past` the cached tokens
+    (decode only), `new_tokens` the tokens a generate call makes."""
+
+    scenario: str
+    batch: int
+    seq: int
+    past: int
+    new_tokens: int
+
+    @property
+    def label(self) -> str:
+        if self.scenario == "prefill":
+            return f"prefill B={self.batch} T={self.seq}"
+        if self.scenario == "decode":
+            return f"decode B={self.batch} P={self.past}"
+        return f"generate B={self.batch} prompt={self.seq} new={self.new_tokens}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Measured:
+    """One backend's samples of one case, with what its row needs beside the machine's limits."""
+
+    case: Case
+    backend: str
+    stats: Stats
+    flops: int
+    nbytes: int
+    device: str
+    timer: str
+    x_ours: float | None
+    precision: str
+
+
+def _known_scenarios(scenarios: Iterable[str]) -> tuple[str, ...]:
     scenarios = tuple(scenarios)
     bad = [s for s in scenarios if s not in SCENARIOS]
     if bad:
         raise AndreaExportError(f"unknown scenario(s) {', '.join(bad)}; known: {', '.join(SCENARIOS)}")
-    settings = settings or (Settings.quick() if quick else Settings())
-    if threads is None:
-        try:
-            threads = len(os.sched_getaffinity(0))
-        except AttributeError:
-            threads = os.cpu_count() or 1
-    env = environment()
-    if model is None:
-        from ..model.checkpoint import load_model
+    return scenarios
 
-        cfg = load_config(config) if config is not None else None
-        model = load_model(checkpoint, cfg, seed=seed)
-    cfg = model.cfg
-    tmp = None
-    if workdir is None:
-        if out is not None:  # not inside `out`: result folders get committed, 2 x 369 MB of ONNX must not
-            workdir = default_cache_dir()
-        else:
-            tmp = tempfile.TemporaryDirectory(prefix="andrea-bench-")
-            workdir = tmp.name
-    ctx = Context(model, threads, Path(workdir), quiet=quiet)
-    torch.set_num_threads(threads)
 
-    prefill_grid = prefill_grid or (QUICK_PREFILL_GRID if quick else PREFILL_GRID)
-    decode_grid = decode_grid or (QUICK_DECODE_GRID if quick else DECODE_GRID)
-    generate_grid = generate_grid or (QUICK_GENERATE_GRID if quick else GENERATE_GRID)
-    cases = grid_cases(cfg, scenarios, prefill_grid, decode_grid, generate_grid)
+def _cases(cfg: ModelConfig, scenarios: tuple[str, ...], quick: bool, prefill_grid, decode_grid,
+           generate_grid) -> list[Case]:  # fmt: skip
+    """The grids (the given ones, else the quick or full defaults) as cases that fit the model's context."""
+    grids = (prefill_grid or (QUICK_PREFILL_GRID if quick else PREFILL_GRID),
+             decode_grid or (QUICK_DECODE_GRID if quick else DECODE_GRID),
+             generate_grid or (QUICK_GENERATE_GRID if quick else GENERATE_GRID))  # fmt: skip
+    return [Case(*c) for c in grid_cases(cfg, scenarios, *grids)]
 
-    say = (lambda *a: None) if quiet else console.print
-    notes = load_warnings(env.get("loadavg_start"), threads, at_start=True)
+
+def _announce(notes: list[str], cfg: ModelConfig, threads: int, n_cases: int, quick: bool,
+              say: Callable[..., object]) -> dict:  # fmt: skip
+    """Say what runs, and measure the CPU's limits (memory bandwidth, matmul rate) the floors come from."""
     for n in notes:
         say(" ", styled("WARNING:", "bold yellow"), n)
     say(styled("benchmark", "bold"), f"{cfg.name} ({cfg.n_params:,} parameters), {threads} threads, "
-        f"{len(cases)} cases, {'quick' if quick else 'full'} mode")  # fmt: skip
-    machine = {"cpu": measure_machine(threads, quick=quick)}
-    say(f"  measured limits: memory {machine['cpu']['bandwidth_GBps']:.1f} GB/s, "
-        f"fp32 matmul {machine['cpu']['matmul_GFLOPs']:.0f} GFLOP/s")  # fmt: skip
+        f"{n_cases} cases, {'quick' if quick else 'full'} mode")  # fmt: skip
+    limits = measure_machine(threads, quick=quick)
+    say(f"  measured limits: memory {limits['bandwidth_GBps']:.1f} GB/s, "
+        f"fp32 matmul {limits['matmul_GFLOPs']:.0f} GFLOP/s")  # fmt: skip
+    return limits
 
+
+def _conclude(doc: dict, notes: list[str], threads: int) -> None:
+    """What the rows add up to: the warnings, the peer comparisons, the in-place gain and the goals."""
+    doc["warnings"] = notes + load_warnings(doc["loadavg_end"], threads, at_start=False) + _below_floor(doc["rows"])
+    doc["peers"] = peers(doc)
+    doc["inplace"] = inplace_gain(doc)
+    doc["goals"] = goals(doc)
+
+
+def _header(cfg: ModelConfig, checkpoint: str | Path | None, seed: int, fingerprint: str) -> dict:
+    """What the document is and what model it measured."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": KIND,
+        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "config": cfg.to_dict(),
+        "n_params": cfg.n_params,
+        "weights": {"source": str(checkpoint) if checkpoint else f"random init (seed {seed})", "fingerprint": fingerprint},
+    }
+
+
+def _load_model(config: str | Path | ModelConfig | None, checkpoint: str | Path | None, seed: int) -> Andrea:
+    from ..model.checkpoint import load_model
+
+    return load_model(checkpoint, load_config(config) if config is not None else None, seed=seed)
+
+
+@contextlib.contextmanager
+def _workdir(workdir: str | Path | None, out: str | Path | None) -> Iterator[Path]:
+    """Where the exported ONNX files go: `workdir`; else the shared cache when results are written
+    (not inside `out`: result folders get committed, and 2 x 369 MB of ONNX must not be); else a
+    temporary folder, removed after the run."""
+    if workdir is not None:
+        yield Path(workdir)
+    elif out is not None:
+        yield default_cache_dir()
+    else:
+        with tempfile.TemporaryDirectory(prefix="andrea-bench-") as tmp:
+            yield Path(tmp)
+
+
+def _start_backends(backends: Iterable[Backend], ctx: Context, scenarios: tuple[str, ...],
+                    say: Callable[..., object]) -> tuple[list[Backend], dict[str, dict]]:  # fmt: skip
+    """Set up every backend that can run here; the report keeps the others, with why they did not."""
     active: list[Backend] = []
     info: dict[str, dict] = {}
-    for b in make_backends(backends, trt_engines, ort_spin):
+    for b in backends:
         reason = b.check()
         if reason:
             info[b.name] = {"status": "skipped", "reason": reason}
@@ -140,133 +253,128 @@ def run_benchmark(
         except (AndreaExportError, ImportError, RuntimeError) as e:
             info[b.name] = {"status": "failed", "reason": f"{type(e).__name__}: {e}"}
             say(" ", styled("failed", "red"), f"{b.name}: {e}")
-    if any(b.spins for b in active):  # their threads spin on after a call: wait that out before the next one
-        settings = dataclasses.replace(settings, gap_s=max(settings.gap_s, settings.spin_gap_s))
-    if any(b.device == "cuda" for b in active) and torch.cuda.is_available():
-        machine["cuda"] = measure_machine(threads, quick=quick, device="cuda")
+    return active, info
 
-    devices = {b.name: b.device for b in active}
-    precisions = {b.name: getattr(b, "precision", "fp32") for b in active}
-    measured, ratios, failed = [], [], []
+
+def _measure_cases(cases: list[Case], active: list[Backend], info: dict[str, dict], settings: Settings,
+                   cfg: ModelConfig, seed: int, quiet: bool,
+                   say: Callable[..., object]) -> tuple[list[Measured], list[dict], list[dict]]:  # fmt: skip
+    """Every case in turn, its backends' calls in interleaved rounds: (measurements, ratios of every
+    pair, failed cases). A case that fails (e.g. out of memory at a large shape) is recorded and the
+    others go on."""
+    measured: list[Measured] = []
+    ratios: list[dict] = []
+    failed: list[dict] = []
     progress = _progress(quiet)
     with progress:
         overall = progress.add_task("cases", total=len(cases))
-        for scenario, batch, seq, past, new_tokens in cases:
-            label = {"prefill": f"prefill B={batch} T={seq}", "decode": f"decode B={batch} P={past}",
-                     "generate": f"generate B={batch} prompt={seq} new={new_tokens}"}[scenario]  # fmt: skip
-            inputs = case_inputs(cfg, scenario, batch, seq, past, seed)
-            fns, timers = {}, {}
-            for b in active:
+        for case in cases:
+            inputs = case_inputs(cfg, case.scenario, case.batch, case.seq, case.past, seed)
+            fns, timers = _calls(case, inputs, active, info)
+            if fns:
+                task = progress.add_task(f"  {case.label} ({', '.join(fns)})", total=None)
                 try:
-                    if scenario == "prefill":
-                        fns[b.name] = b.prefill(*inputs)
-                    elif scenario == "decode":
-                        fns[b.name] = b.decode(*inputs)
-                    else:
-                        fns[b.name] = b.generate(inputs[0], new_tokens)
-                    timers[b.name] = b.timer_for(scenario)
-                except Unavailable as e:
-                    info[b.name].setdefault("skipped_cases", {})[scenario] = str(e)
-            if not fns:
-                progress.advance(overall)
-                continue
-            task = progress.add_task(f"  {label} ({', '.join(fns)})", total=None)
-
-            def on_round(done, total, task=task):
-                progress.update(task, completed=done, total=total)
-
-            try:
-                samples = run_interleaved(fns, settings, timers, on_round)
-            except (RuntimeError, MemoryError) as e:  # e.g. out of memory at a large shape: keep the other cases
-                failed.append({"case": label, "backends": list(fns), "error": f"{type(e).__name__}: {e}"[:500]})
-                say(" ", styled("failed", "red"), f"{label}: {type(e).__name__}: {e}")
-                progress.remove_task(task)
-                progress.advance(overall)
-                continue
-            progress.remove_task(task)
-            for name, s in samples.items():
-                x_ours = ratio_median(s, samples[OURS]) if OURS in samples else None  # t / t_ours, paired by round
-                flops, nbytes = scenario_work(cfg, scenario, batch, seq, past, new_tokens, precisions[name])
-                measured.append((scenario, name, batch, seq, past, new_tokens, Stats.from_ns(s), flops, nbytes,
-                                 devices[name], "cuda-events" if timers[name] is cuda_event_timer else "perf_counter_ns",
-                                 x_ours, precisions[name]))  # fmt: skip
-            names = list(samples)
-            for i, base in enumerate(names):  # every pair, the earlier backend as baseline
-                for other in names[i + 1:]:
-                    ratios.append({"scenario": scenario, "batch": batch, "seq": seq, "past": past,
-                                   "new_tokens": new_tokens, "baseline": base, "backend": other,
-                                   "speedup": ratio_median(samples[base], samples[other])})  # fmt: skip
+                    samples = run_interleaved(fns, settings, timers, functools.partial(_on_round, progress, task))
+                except (RuntimeError, MemoryError) as e:
+                    failed.append({"case": case.label, "backends": list(fns), "error": f"{type(e).__name__}: {e}"[:500]})
+                    say(" ", styled("failed", "red"), f"{case.label}: {type(e).__name__}: {e}")
+                else:
+                    measured += _measurements(case, samples, timers, active, cfg)
+                    ratios += _pair_ratios(case, samples)
+                finally:
+                    progress.remove_task(task)
             del fns, inputs
             progress.advance(overall)
+    return measured, ratios, failed
 
-    # the limits again at the end (the machine may have been busy at the start); each figure's best counts
+
+def _on_round(progress, task, done: int, total: int) -> None:
+    progress.update(task, completed=done, total=total)
+
+
+def _calls(case: Case, inputs: tuple, active: list[Backend],
+           info: dict[str, dict]) -> tuple[dict[str, Callable[[], object]], dict[str, Callable]]:  # fmt: skip
+    """Each backend's call of the case and the timer it is timed with; a backend that cannot run the
+    case says why in its report entry."""
+    fns, timers = {}, {}
+    for b in active:
+        try:
+            if case.scenario == "prefill":
+                fns[b.name] = b.prefill(*inputs)
+            elif case.scenario == "decode":
+                fns[b.name] = b.decode(*inputs)
+            else:
+                fns[b.name] = b.generate(inputs[0], case.new_tokens)
+            timers[b.name] = b.timer_for(case.scenario)
+        except Unavailable as e:
+            info[b.name].setdefault("skipped_cases", {})[case.scenario] = str(e)
+    return fns, timers
+
+
+def _measurements(case: Case, samples: dict[str, list[int]], timers: dict[str, Callable], active: list[Backend],
+                  cfg: ModelConfig) -> list[Measured]:  # fmt: skip
+    backend = {b.name: b for b in active}
+    out = []
+    for name, s in samples.items():
+        precision = getattr(backend[name], "precision", "fp32")
+        flops, nbytes = scenario_work(cfg, case.scenario, case.batch, case.seq, case.past, case.new_tokens, precision)
+        out.append(Measured(
+            case, name, Stats.from_ns(s), flops, nbytes, backend[name].device,
+            "cuda-events" if timers[name] is cuda_event_timer else "perf_counter_ns",
+            ratio_median(s, samples[OURS]) if OURS in samples else None,  # t / t_ours, paired by round
+            precision,
+        ))  # fmt: skip
+    return out
+
+
+def _pair_ratios(case: Case, samples: dict[str, list[int]]) -> list[dict]:
+    """The speedup of every pair of backends, the earlier one as baseline, paired by round."""
+    names = list(samples)
+    return [{"scenario": case.scenario, "batch": case.batch, "seq": case.seq, "past": case.past,
+             "new_tokens": case.new_tokens, "baseline": base, "backend": other,
+             "speedup": ratio_median(samples[base], samples[other])}
+            for i, base in enumerate(names) for other in names[i + 1:]]  # fmt: skip
+
+
+def _measure_limits_again(machine: dict[str, dict], threads: int, quick: bool, say: Callable[..., object]) -> None:
+    """The limits again at the end (the machine may have been busy at the start); each figure's best counts."""
     say("  measuring the limits again")
-    machine["cpu"] = combine_limits(machine["cpu"], measure_machine(threads, quick=quick))
-    if "cuda" in machine:
-        machine["cuda"] = combine_limits(machine["cuda"], measure_machine(threads, quick=quick, device="cuda"))
-    rows = [_row(*m[:9], machine.get(m[9], machine["cpu"]), *m[10:]) for m in measured]  # GPU rows: GPU limits
-    doc = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": KIND,
-        "created": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
-        "config": cfg.to_dict(),
-        "n_params": cfg.n_params,
-        "weights": {"source": str(checkpoint) if checkpoint else f"random init (seed {seed})",
-                    "fingerprint": ctx.fingerprint},
-        "settings": {"threads": threads, "quick": quick, **dataclasses.asdict(settings),
-                     "scenarios": list(scenarios), "seed": seed, "ort_spin": ort_spin,
-                     "timer": "time.perf_counter_ns around a synchronous call (CUDA events for TensorRT)",
-                     "percentiles": "linear interpolation (numpy default); cv = sample std / mean"},
-        "environment": env,
-        "machine": {**machine["cpu"], **({"cuda": machine["cuda"]} if "cuda" in machine else {})},
-        "backends": info,
-        "rows": rows,
-        "ratios": ratios,
-        "failed_cases": failed,
-        "loadavg_end": loadavg(),
-    }
-    notes += load_warnings(doc["loadavg_end"], threads, at_start=False)
+    for device in list(machine):
+        machine[device] = combine_limits(machine[device], measure_machine(threads, quick=quick, device=device))
+
+
+def _below_floor(rows: list[dict]) -> list[str]:
+    """A row faster than its floor means the limits were measured wrong for it: warn."""
     below = [f"{r['scenario']} {r['backend']} B={r['batch']} T={r['seq']} P={r['past']} ({r['x_floor']:.2f})"
              for r in rows if r["x_floor"] is not None and r["x_floor"] < DISTURBED_BELOW]  # fmt: skip
-    if below:
-        notes.append(f"faster than the floor (x floor < {DISTURBED_BELOW}): " + ", ".join(below) + ". The limit measurements "
-                     "were disturbed, or a large square matmul understates this machine's rate for these shapes")  # fmt: skip
-    doc["warnings"] = notes
-    doc["peers"] = peers(doc)
-    doc["inplace"] = inplace_gain(doc)
-    doc["goals"] = goals(doc)
-    if tmp is not None:
-        tmp.cleanup()
-    if out is not None:
-        files = write_outputs(doc, out, plots=plots)
-        say("  wrote " + ", ".join(str(p) for p in files.values()))
-    if not quiet:
-        print_summary(doc)
-    return doc
+    if not below:
+        return []
+    return [f"faster than the floor (x floor < {DISTURBED_BELOW}): " + ", ".join(below) + ". The limit measurements "
+            "were disturbed, or a large square matmul understates this machine's rate for these shapes"]  # fmt: skip
 
 
-def _row(scenario, backend, batch, seq, past, new_tokens, st: Stats, flops, nbytes, machine, timer,
-         x_ours: float | None = None, precision: str = "fp32") -> dict:  # fmt: skip
+def _row(m: Measured, machine: dict) -> dict:
     """One result row. fp32's floor: max(bytes of fp32 weights / bandwidth, FLOPs / fp32 matmul rate). A
     weight-only quantized row's decode and generate floor is its memory floor (its own bytes: int8 / int4
     weights, scales, the float32 rest; work.forward_bytes), a lower bound, since its int8 products run at a
     rate this run does not measure; its prefill, and bf16 rows (OpenVINO's default), have no floor (null
     bytes, floor_ms, bound, x_floor, gbps): their speed is reported against ours instead."""
-    med_s = st.median_ms / 1e3
-    floored = precision == "fp32" or (precision in WEIGHT_ONLY and scenario != "prefill")
+    c, precision, flops, nbytes = m.case, m.precision, m.flops, m.nbytes
+    med_s = m.stats.median_ms / 1e3
+    floored = precision == "fp32" or (precision in WEIGHT_ONLY and c.scenario != "prefill")
     if precision in WEIGHT_ONLY:
         floor_s, bound = nbytes / (machine["bandwidth_GBps"] * 1e9), "memory"
     else:
         floor_s, bound = floor_seconds(flops, nbytes, machine)
-    tokens = batch * (seq if scenario == "prefill" else new_tokens)
+    tokens = c.batch * (c.seq if c.scenario == "prefill" else c.new_tokens)
     return {
-        "scenario": scenario, "backend": backend, "batch": batch, "seq": seq, "past": past, "new_tokens": new_tokens,
-        "tokens": tokens, **{k: v for k, v in dataclasses.asdict(st).items()},
+        "scenario": c.scenario, "backend": m.backend, "batch": c.batch, "seq": c.seq, "past": c.past,
+        "new_tokens": c.new_tokens, "tokens": tokens, **dataclasses.asdict(m.stats),
         "precision": precision, "flops": flops, "bytes": nbytes if floored else None,
         "floor_ms": floor_s * 1e3 if floored else None, "bound": bound if floored else None,
         "x_floor": med_s / floor_s if (floor_s and floored) else None,
         "gflops": flops / med_s / 1e9 if med_s else None, "gbps": nbytes / med_s / 1e9 if (med_s and floored) else None,
-        "tokens_per_s": tokens / med_s if med_s else None, "x_ours": x_ours, "timer": timer,
+        "tokens_per_s": tokens / med_s if med_s else None, "x_ours": m.x_ours, "timer": m.timer,
     }  # fmt: skip
 
 
