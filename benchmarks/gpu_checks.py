@@ -314,9 +314,9 @@ def _tensorrt_here() -> None:
 
 def plugin_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
-        from andrea_export.engine.profiles import Profiles, parse_profiles
+        from andrea_export.engine.profiles import Profile, parse_profiles
 
-        for p in parse_profiles(plan.profile, Profiles.for_model(plan.cfg)):  # a bad profile fails here, not on the GPU
+        for p in parse_profiles(plan.profile, Profile.for_model(plan.cfg)):  # a bad profile fails here, not on the GPU
             p.check(plan.cfg.n_positions)
         _tensorrt_here()  # before the build's own imports (rich, Polygraphy, ...), which a bare GPU host has not got
         from andrea_export.pipeline import BuildOptions, run_build
@@ -500,11 +500,11 @@ def quantized_engines(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
 def native_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
         from andrea_export.engine.builder import build_engine
-        from andrea_export.engine.profiles import Profiles
+        from andrea_export.engine.profiles import Profile
 
         out, m = c.results["plugin engine"]
         native = build_engine(out / m["artifacts"]["onnx"]["path"], workdir / "native-fp16.plan", builder="tensorrt",
-                              profiles=Profiles.parse(plan.profile), progress=False)  # fmt: skip
+                              profiles=Profile.parse(plan.profile), progress=False)  # fmt: skip
         c.row("native engine", "build native fp16", "ok", f"{native.plugin_layers} plugin layers (native GELU), built "
               f"in {native.build_seconds:.0f} s")  # fmt: skip
         return native.plan

@@ -7,7 +7,7 @@ from .._lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "builder": ["BuildResult", "OPT_LEVELS", "build_engine"],
     "builders": ["BUILDERS", "resolve_builder", "trt_module"],
-    "profiles": ["Profile", "Profiles", "parse_profiles"],
+    "profiles": ["Bounds", "Profile", "Profiles", "parse_profiles"],
     "compat": ["check_engine_compat", "check_targets", "normalize_compute_capabilities"],
     "refit": ["refit_stripped", "sidecar_path"],
 })

@@ -26,7 +26,7 @@ import json
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import onnx
 
@@ -41,7 +41,7 @@ from ..userfiles import MAX_JSON_BYTES, read_json
 from .builders import BUILDER_NAMES, network_flags, resolve_builder, trt_module
 from .compat import build_targets, check_engine_compat, check_precision
 from .log import ctrl_c_cancels, expected_warning, layer_report, make_logger, progress_monitor
-from .profiles import Profiles
+from .profiles import Profile
 from .refit import STRIP_REFUSED_RTX, sidecar_path
 
 INPUT_NAME = INPUT_IDS
@@ -94,7 +94,7 @@ def build_engine(
     plan_path: str | Path,
     *,
     builder: str = "auto",
-    profiles: Profiles | Sequence[Profiles | dict] | None = None,
+    profiles: Profile | Sequence[Profile | dict] | None = None,
     opt_level: int = 3,
     workspace_mb: int | None = None,
     timing_cache: str | Path | None = None,
@@ -104,7 +104,7 @@ def build_engine(
 ) -> BuildResult:
     """Build `plan_path` from `onnx_path` and write its sidecar and layer report. See the module doc.
 
-    profiles: one or several optimization profiles; default `Profiles.for_model(config of the ONNX)`.
+    profiles: one or several optimization profiles; default `Profile.for_model(config of the ONNX)`.
         A graph with more inputs than input_ids (the KV-cache decoder) takes profiles as dicts
         {"name", "shapes": {input: {"min", "opt", "max"}}}, as `kvcache.optimization_profiles` makes them.
     opt_level: builder optimization level 0..5. workspace_mb: workspace pool limit (default: TensorRT's).
@@ -116,67 +116,156 @@ def build_engine(
         ahead-of-time CPU builder fails with these flags (its compiler needs CUDA; checked with 1.7), so
         it is refused there.
     """
-    onnx_path, plan_path = Path(onnx_path), Path(plan_path)
+    job = _plan_build(Path(onnx_path), Path(plan_path), builder, profiles, opt_level, workspace_mb,
+                      timing_cache, compute_capabilities, strip_weights)  # fmt: skip
+    trt = job.trt
+    if not job.rtx and job.plugin_calls:
+        register = require("andrea_export.plugin.register", "tensorrt", "Building the plugin graph")
+        register.register_plugins()
+    logger = make_logger(trt)
+    t0 = time.perf_counter()
+    b = trt.Builder(logger)
+    network, parser = _parse(job, b, logger)  # the parser owns the weights the network points into
+    plugin_layers = _plugin_layers(job, network)
+    config = _builder_config(job, b)
+    cache = None
+    if job.timing_cache is not None:
+        cache, note = _load_timing_cache(trt, config, job.timing_cache, job.builder)
+        job.warnings += [note] if note else []
+    serialized = _serialize(job, b, network, config, logger, progress)
+    seconds = time.perf_counter() - t0
+    del parser
+    report, source = layer_report(trt, job.builder, serialized, logger)
+    job.warnings += [w for w in logger.warnings if not expected_warning(w)]
+    result = BuildResult(
+        builder=job.builder, builder_version=trt.__version__, plan=job.plan, plan_bytes=0, plan_sha256="",
+        build_seconds=round(seconds, 3), onnx=Path(os.path.relpath(job.onnx, job.plan.parent)),  # the folder can move
+        precision=job.precision, profiles=[record for _, record in job.profiles], opt_level=opt_level,
+        workspace_mb=workspace_mb, tf32=bool(config.get_flag(trt.BuilderFlag.TF32)),
+        compute_capabilities=list(job.ccs), compute_capabilities_default=job.ccs_default, plugin_layers=plugin_layers,
+        layer_report=None, layer_report_source=source, timing_cache=job.timing_cache if cache else None,
+        warnings=job.warnings, weights_stripped=strip_weights,
+    )  # fmt: skip
+    _write_outputs(result, serialized, report, cache)
+    for w in job.warnings:
+        if progress:
+            warn(w)
+    return result
+
+
+@dataclasses.dataclass
+class _Job:
+    """One build, checked before TensorRT starts: what every later step reads."""
+
+    onnx: Path
+    plan: Path
+    builder: str
+    trt: Any  # the tensorrt or tensorrt_rtx module
+    graph: onnx.ModelProto
+    profiles: list[tuple[dict, dict]]  # (shapes of every input, the profile as the sidecar records it)
+    opt_level: int
+    workspace_mb: int | None
+    timing_cache: Path | None
+    ccs: list[str]
+    ccs_default: bool
+    precision: str
+    plugin_calls: list[str]
+    strip_weights: bool
+    warnings: list[str]
+
+    @property
+    def rtx(self) -> bool:
+        return self.builder == "tensorrt-rtx"
+
+    @property
+    def name(self) -> str:
+        return BUILDER_NAMES[self.builder]
+
+
+def _plan_build(onnx_path: Path, plan_path: Path, builder: str, profiles, opt_level: int, workspace_mb: int | None,
+                timing_cache: str | Path | None, compute_capabilities: Sequence[str] | None,
+                strip_weights: bool) -> _Job:  # fmt: skip
+    """Everything that can be checked without TensorRT, checked before it starts."""
     builder = resolve_builder(builder)
     trt = trt_module(builder)
     rtx = builder == "tensorrt-rtx"
-    name = BUILDER_NAMES[builder]
     if strip_weights and rtx:
         raise ConfigError(STRIP_REFUSED_RTX)
-
-    # Everything that can be checked without TensorRT is checked before it starts.
     graph = _read_graph(onnx_path)
     cfg = _graph_config(graph, onnx_path)
     if not rtx:  # RTX's parser is laxer than TensorRT's: refuse here what TensorRT would refuse on the GPU host
         from .onnx_rules import check_tensorrt_import
 
         check_tensorrt_import(onnx_path)
-    if profiles is None:
-        profiles = [Profiles.for_model(cfg)] if cfg else [Profiles()]
-    elif isinstance(profiles, Profiles):
-        profiles = [profiles]
-    if not profiles:
-        raise ConfigError("profile: at least one optimization profile is needed")
-    for p in profiles:
-        if isinstance(p, Profiles):
-            p.check(cfg.n_positions if cfg else None)
-            if cfg:
-                p.check_tensor_sizes(cfg)
-    _check_inputs(onnx_path, graph, profiles)
+    shapes = _profile_shapes(onnx_path, graph, cfg, profiles)
     if opt_level not in OPT_LEVELS:
         raise ConfigError(f"opt_level must be an integer from 0 to 5, got {opt_level!r}")
     if workspace_mb is not None and (not isinstance(workspace_mb, int) or workspace_mb < 1):
         raise ConfigError(f"workspace_mb must be a positive integer (MiB), got {workspace_mb!r}")
     ccs, ccs_default = build_targets(trt, builder, compute_capabilities)
-    plugin_calls = _plugin_calls(graph)
     precision = {p.key: p.value for p in graph.metadata_props}.get(PRECISION_KEY, "fp32")
-    check_precision(name, precision, ccs)
-    warnings: list[str] = []
-    if rtx and timing_cache is not None:
-        warnings.append(
-            f"timing cache {timing_cache} not used: TensorRT-RTX has no autotuning and its timing-cache "
+    check_precision(BUILDER_NAMES[builder], precision, ccs)
+    job = _Job(onnx_path, plan_path, builder, trt, graph, shapes, opt_level, workspace_mb,
+               Path(timing_cache) if timing_cache is not None else None, list(ccs), ccs_default, precision,
+               _plugin_calls(graph), strip_weights, [])  # fmt: skip
+    _warn_ahead(job)
+    return job
+
+
+def _profile_shapes(path: Path, graph: onnx.ModelProto, cfg: ModelConfig | None,
+                    profiles: Profile | Sequence[Profile | dict] | None) -> list[tuple[dict, dict]]:  # fmt: skip
+    """Each optimization profile as (shapes of every input, its sidecar record), checked against the model
+    (context, TensorRT's tensor-volume limit) and against the graph's inputs, which each one must cover."""
+    if profiles is None:
+        profiles = [Profile.for_model(cfg) if cfg else Profile()]
+    elif isinstance(profiles, Profile):
+        profiles = [profiles]
+    if not profiles:
+        raise ConfigError("profile: at least one optimization profile is needed")
+    inputs = graph_inputs(graph)
+    out = []
+    for p in profiles:
+        if isinstance(p, Profile):
+            p.check(cfg.n_positions if cfg else None)
+            if cfg:
+                p.check_tensor_sizes(cfg)
+            if inputs != [INPUT_NAME]:
+                raise BuildError(f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs)}; "
+                                 f"expected one input '{INPUT_NAME}' (an andrea-export ONNX)")  # fmt: skip
+            out.append((p.input_shapes(), p.to_dict()))
+        else:  # {"name", "shapes": {input: {"min", "opt", "max"}}}: every input named (kvcache.optimization_profiles)
+            if sorted(p["shapes"]) != sorted(inputs):
+                raise BuildError(f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs)}; optimization "
+                                 f"profile '{p.get('name', '?')}' gives shapes for {', '.join(repr(i) for i in p['shapes'])}")  # fmt: skip
+            out.append((p["shapes"], p))
+    return out
+
+
+def _warn_ahead(job: _Job) -> None:
+    """What the build will not do as asked, said before it starts."""
+    if job.rtx and job.timing_cache is not None:
+        job.warnings.append(
+            f"timing cache {job.timing_cache} not used: TensorRT-RTX has no autotuning and its timing-cache "
             "operations are no-ops (deprecated in TensorRT-RTX 1.2)"
         )
-        timing_cache = None
-    if rtx and plugin_calls:
-        warnings.append(
-            f"{len(plugin_calls)} plugin call(s) built as their ONNX function bodies: TensorRT-RTX has no plugin layers"
+        job.timing_cache = None
+    if job.rtx and job.plugin_calls:
+        job.warnings.append(
+            f"{len(job.plugin_calls)} plugin call(s) built as their ONNX function bodies: TensorRT-RTX has no plugin layers"
         )
-    if plan_path.is_file() and sidecar_path(plan_path).is_file():
+    if job.plan.is_file() and sidecar_path(job.plan).is_file():
         try:
-            check_engine_compat(plan_path, read_engine_info(sidecar_path(plan_path)))
+            check_engine_compat(job.plan, read_engine_info(sidecar_path(job.plan)))
         except BuildError as e:
-            warnings.append(f"replacing {plan_path.name}: {e}")
-    if not rtx and plugin_calls:
-        register = require("andrea_export.plugin.register", "tensorrt", "Building the plugin graph")
-        register.register_plugins()
+            job.warnings.append(f"replacing {job.plan.name}: {e}")
 
-    logger = make_logger(trt)
-    t0 = time.perf_counter()
-    b = trt.Builder(logger)
-    network = b.create_network(network_flags(trt))
-    parser = trt.OnnxParser(network, logger)
-    if not parser.parse_from_file(str(onnx_path)):  # from the file: external weights are found beside it
+
+def _parse(job: _Job, b, logger):
+    """The network parsed from the ONNX file (from the file, so that external weights are found beside it),
+    with the parser, which must outlive the build: (network, parser)."""
+    network = b.create_network(network_flags(job.trt))
+    parser = job.trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(job.onnx)):
         errors = []
         for i in range(parser.num_errors):
             e = parser.get_error(i)
@@ -184,101 +273,83 @@ def build_engine(
             why = e.code().name.lower().replace("_", " ")
             desc = e.desc().strip()
             errors.append(f"{where}: {why}" + (f": {desc}" if desc and desc not in ("false", "true") else ""))
-        raise BuildError(f"{name} could not parse {onnx_path.name}: " + "; ".join(errors or logger.errors))
-    plugin_layers = sum(network.get_layer(i).type == trt.LayerType.PLUGIN_V3 for i in range(network.num_layers))
-    if not rtx and plugin_calls and plugin_layers < len(plugin_calls):
+        raise BuildError(f"{job.name} could not parse {job.onnx.name}: " + "; ".join(errors or logger.errors))
+    return network, parser
+
+
+def _plugin_layers(job: _Job, network) -> int:
+    """The network's PLUGIN_V3 layers; TensorRT must have imported every plugin call as one."""
+    trt, calls = job.trt, job.plugin_calls
+    n = sum(network.get_layer(i).type == trt.LayerType.PLUGIN_V3 for i in range(network.num_layers))
+    if not job.rtx and calls and n < len(calls):
         raise BuildError(
-            f"{name} {trt.__version__} imported {len(plugin_calls) - plugin_layers} of {len(plugin_calls)} plugin call(s) "
+            f"{job.name} {trt.__version__} imported {len(calls) - n} of {len(calls)} plugin call(s) "
             "as their ONNX function bodies, not as the plugin: it needs TensorRT >= 10.7 with the plugin registered"
         )
+    return n
 
+
+def _builder_config(job: _Job, b):
+    """The builder config: optimization level, TF32, workspace, stripping, profiles, RTX targets."""
+    trt = job.trt
     config = b.create_builder_config()
-    config.builder_optimization_level = opt_level
+    config.builder_optimization_level = job.opt_level
     config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED  # layer names + tactics for the report
-    if precision == "fp32":  # an fp32 graph is the exact engine: no TF32 GEMMs (the flag defaults to on)
+    if job.precision == "fp32":  # an fp32 graph is the exact engine: no TF32 GEMMs (the flag defaults to on)
         config.clear_flag(trt.BuilderFlag.TF32)
-    if workspace_mb is not None:
-        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace_mb << 20)
-    if strip_weights:  # the plan keeps no weight the ONNX can give back; refit with those same weights at load
+    if job.workspace_mb is not None:
+        config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, job.workspace_mb << 20)
+    if job.strip_weights:  # the plan keeps no weight the ONNX can give back; refit with those same weights at load
         config.set_flag(trt.BuilderFlag.STRIP_PLAN)
         config.set_flag(trt.BuilderFlag.REFIT_IDENTICAL)
-    for p in profiles:
+    for shapes, _ in job.profiles:
         prof = b.create_optimization_profile()
-        if isinstance(p, Profiles):
-            prof.set_shape(INPUT_NAME, *p.shapes())
-        else:  # {"name", "shapes": {input: {"min", "opt", "max"}}}: every input named (kvcache.optimization_profiles)
-            for tensor, s in p["shapes"].items():
-                prof.set_shape(tensor, s["min"], s["opt"], s["max"])
+        for tensor, s in shapes.items():
+            prof.set_shape(tensor, s["min"], s["opt"], s["max"])
         config.add_optimization_profile(prof)
-    if rtx and not ccs_default:
-        config.num_compute_capabilities = len(ccs)
-        for i, cc in enumerate(ccs):
+    if job.rtx and not job.ccs_default:
+        config.num_compute_capabilities = len(job.ccs)
+        for i, cc in enumerate(job.ccs):
             config.set_compute_capability(getattr(trt.ComputeCapability, "SM" + cc.replace(".", "")), i)
-    cache = None
-    if timing_cache is not None:
-        cache, note = _load_timing_cache(trt, config, Path(timing_cache), builder)
-        if note:
-            warnings.append(note)
-    monitor = progress_monitor(trt, progress and console.is_terminal, f"Building {plan_path.name} with {name}")
+    return config
+
+
+def _serialize(job: _Job, b, network, config, logger, progress: bool):
+    """The serialized engine, built with a progress bar that Ctrl-C cancels."""
+    monitor = progress_monitor(job.trt, progress and console.is_terminal, f"Building {job.plan.name} with {job.name}")
     config.progress_monitor = monitor
     with monitor, ctrl_c_cancels(monitor):
         serialized = b.build_serialized_network(network, config)
     if monitor.interrupted:
         raise KeyboardInterrupt
     if serialized is None:
-        raise BuildError(f"{name} failed to build {onnx_path.name}: " + "; ".join(logger.errors or ["no reason given"]))
-    seconds = time.perf_counter() - t0
+        raise BuildError(f"{job.name} failed to build {job.onnx.name}: " + "; ".join(logger.errors or ["no reason given"]))
+    return serialized
 
-    report, source = layer_report(trt, builder, serialized, logger)
-    warnings += [w for w in logger.warnings if not expected_warning(w)]
+
+def _write_outputs(result: BuildResult, serialized, report: dict | None, cache) -> None:
+    """The timing cache, the layer report, the plan and its sidecar, each under a temporary name first; on
+    any failure the ones already written are removed, so no plan is left without its sidecar."""
     written: list[Path] = []
     try:
         if cache is not None:
-            _save_timing_cache(cache, Path(timing_cache), builder, trt.__version__)
-        lr = None
+            _save_timing_cache(cache, result.timing_cache, result.builder, result.builder_version)
         if report is not None:
-            lr = write_text_atomic(layer_report_path(plan_path), json.dumps(report, indent=1))
-            written.append(lr)
-        with atomic_path(plan_path) as tmp:
+            result.layer_report = write_text_atomic(layer_report_path(result.plan), json.dumps(report, indent=1))
+            written.append(result.layer_report)
+        with atomic_path(result.plan) as tmp:
             with open(tmp, "wb") as f:
                 f.write(memoryview(serialized))
-            digest = sha256_file(tmp)
-            result = BuildResult(
-                builder=builder, builder_version=trt.__version__, plan=plan_path, plan_bytes=tmp.stat().st_size,
-                plan_sha256=digest, build_seconds=round(seconds, 3),
-                onnx=Path(os.path.relpath(onnx_path, plan_path.parent)),  # relative: the folder can move
-                precision=precision,
-                profiles=[p.to_dict() if isinstance(p, Profiles) else p for p in profiles], opt_level=opt_level, workspace_mb=workspace_mb,
-                tf32=bool(config.get_flag(trt.BuilderFlag.TF32)),
-                compute_capabilities=list(ccs), compute_capabilities_default=ccs_default, plugin_layers=plugin_layers,
-                layer_report=lr, layer_report_source=source, timing_cache=Path(timing_cache) if cache else None,
-                warnings=warnings, weights_stripped=strip_weights,
-            )
+            result.plan_bytes, result.plan_sha256 = tmp.stat().st_size, sha256_file(tmp)
             written.append(write_text_atomic(result.sidecar, json.dumps(result.to_dict(), indent=1)))
     except BaseException:
         for p in written:
             p.unlink(missing_ok=True)
         raise
-    for w in warnings:
-        if progress:
-            warn(w)
-    return result
 
 
 def graph_inputs(graph: onnx.ModelProto) -> list[str]:
     return [i.name for i in graph.graph.input if i.name not in {t.name for t in graph.graph.initializer}]
-
-
-def _check_inputs(path: Path, graph: onnx.ModelProto, profiles) -> None:
-    """Every graph input needs a shape range in every profile: input_ids alone for a Profiles, all for a dict."""
-    inputs = graph_inputs(graph)
-    for p in profiles:
-        if isinstance(p, Profiles) and inputs != [INPUT_NAME]:
-            raise BuildError(f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs)}; "
-                             f"expected one input '{INPUT_NAME}' (an andrea-export ONNX)")
-        if isinstance(p, dict) and sorted(p["shapes"]) != sorted(inputs):
-            raise BuildError(f"{path}: the graph's input(s) are {', '.join(repr(i) for i in inputs)}; optimization "
-                             f"profile '{p.get('name', '?')}' gives shapes for {', '.join(repr(i) for i in p['shapes'])}")
 
 
 def _read_graph(path: Path) -> onnx.ModelProto:

@@ -15,7 +15,7 @@ from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.engine.builder import build_engine, layer_report_path
 from andrea_export.engine.builders import resolve_builder, trt_module
 from andrea_export.engine.compat import check_engine_compat
-from andrea_export.engine.profiles import Profile, Profiles, parse_profiles
+from andrea_export.engine.profiles import Bounds, Profile, Profiles, parse_profiles
 from andrea_export.engine.refit import sidecar_path
 from andrea_export.errors import BuildError, ConfigError, MissingDependency, gpu_compute_capability, installed
 from andrea_export.graphs.export import export_onnx
@@ -43,13 +43,15 @@ def _files(d):
 
 
 def test_profile_parse():
-    p = Profiles.parse("batch=1:4:16,seq=1:128:1024")
-    assert p == Profiles(Profile(1, 4, 16), Profile(1, 128, 1024))
+    p = Profile.parse("batch=1:4:16,seq=1:128:1024")
+    assert p == Profile(Bounds(1, 4, 16), Bounds(1, 128, 1024))
     assert p.shapes() == ((1, 1), (4, 128), (16, 1024))
-    assert Profiles.parse("batch=4").batch == Profile(4, 4, 4)
-    assert Profiles.parse("seq=1:8:64", base=Profiles.for_model(ANDREA_TINY)) == Profiles(Profile(1, 1, 8), Profile(1, 8, 64))
+    assert Profile.parse("batch=4").batch == Bounds(4, 4, 4)
+    assert Profile.parse("seq=1:8:64", base=Profile.for_model(ANDREA_TINY)) == Profile(Bounds(1, 1, 8), Bounds(1, 8, 64))
     assert parse_profiles("batch=1,seq=1;batch=1:4:16,seq=1:128:1024")[0].to_dict() == {"batch": "1:1:1", "seq": "1:1:1"}
-    assert Profiles.for_model(ANDREA_120M).to_dict() == {"batch": "1:1:8", "seq": "1:128:1024"}
+    assert Profile.for_model(ANDREA_120M).to_dict() == {"batch": "1:1:8", "seq": "1:128:1024"}
+    assert Profile.for_model(ANDREA_TINY).input_shapes() == {"input_ids": {"min": [1, 1], "opt": [1, 128], "max": [8, 128]}}
+    assert Profiles is Profile  # the old name of one optimization profile still imports
 
 
 @pytest.mark.parametrize(
@@ -65,13 +67,13 @@ def test_profile_parse():
 )
 def test_profile_errors(text, message):
     with pytest.raises(ConfigError) as e:
-        Profiles.parse(text)
+        Profile.parse(text)
     assert str(e.value) == message
 
 
 def test_profile_beyond_context():
     with pytest.raises(ConfigError) as e:
-        Profiles.parse("seq=1:64:256").check(ANDREA_TINY.n_positions)
+        Profile.parse("seq=1:64:256").check(ANDREA_TINY.n_positions)
     assert str(e.value) == "profile 'seq': max 256 exceeds the model's context of 128 tokens"
 
 
@@ -118,7 +120,7 @@ def test_resolve_auto_without_any_builder(monkeypatch):
 @needs_rtx
 def test_rtx_build(tiny_onnx, tmp_path):
     plan = tmp_path / "tiny.plan"
-    r = build_engine(tiny_onnx, plan, builder="tensorrt-rtx", profiles=Profiles.parse("batch=1:2:4,seq=1:16:128"), progress=False)
+    r = build_engine(tiny_onnx, plan, builder="tensorrt-rtx", profiles=Profile.parse("batch=1:2:4,seq=1:16:128"), progress=False)
     assert plan.is_file() and plan.stat().st_size == r.plan_bytes > 1_000_000  # the weights alone are ~2.2 MB
     assert _files(tmp_path) == ["tiny.layers.json", "tiny.plan", "tiny.plan.json"]  # no temporary files left
     assert (r.builder, r.builder_version) == ("tensorrt-rtx", trt_module("tensorrt-rtx").__version__)
@@ -154,7 +156,7 @@ def test_rtx_build(tiny_onnx, tmp_path):
 
     # Rebuilding over an engine from "another version" says so, and replaces it.
     sidecar_path(plan).write_text(json.dumps({**side, "builder_version": "0.9.0"}))
-    r2 = build_engine(tiny_onnx, plan, builder="tensorrt-rtx", profiles=Profiles.parse("batch=1:2:4,seq=1:16:128"), progress=False)
+    r2 = build_engine(tiny_onnx, plan, builder="tensorrt-rtx", profiles=Profile.parse("batch=1:2:4,seq=1:16:128"), progress=False)
     assert r2.warnings == [
         f"replacing tiny.plan: {plan}: built with TensorRT-RTX 0.9.0, but this environment has {r.builder_version}; "
         "engines do not load across versions: rebuild it, or install tensorrt_rtx==0.9.0"
@@ -168,7 +170,7 @@ def test_rtx_builds_plugin_graph_natively(tiny_onnx, tmp_path):
 
     apply_gelu_plugin(tiny_onnx, tmp_path / "plugin.onnx")
     r = build_engine(tmp_path / "plugin.onnx", tmp_path / "p.plan", builder="tensorrt-rtx",
-                     profiles=Profiles.parse("batch=1,seq=1:8:32"), progress=False)
+                     profiles=Profile.parse("batch=1,seq=1:8:32"), progress=False)
     assert r.plugin_layers == 0 and r.plan_bytes > 0
     assert r.warnings == [
         f"{ANDREA_TINY.n_layer} plugin call(s) built as their ONNX function bodies: TensorRT-RTX has no plugin layers"
@@ -178,7 +180,7 @@ def test_rtx_builds_plugin_graph_natively(tiny_onnx, tmp_path):
 @needs_rtx
 def test_rtx_compute_capabilities(tiny_onnx, tmp_path):
     r = build_engine(tiny_onnx, tmp_path / "a.plan", builder="tensorrt-rtx", compute_capabilities=["8.6", "sm_89", "SM120"],
-                     profiles=Profiles.parse("batch=1,seq=1:8:32"), opt_level=0, progress=False)
+                     profiles=Profile.parse("batch=1,seq=1:8:32"), opt_level=0, progress=False)
     assert (r.compute_capabilities, r.compute_capabilities_default, r.opt_level) == (["8.6", "8.9", "12.0"], False, 0)
     with pytest.raises(ConfigError) as e:
         build_engine(tiny_onnx, tmp_path / "b.plan", builder="tensorrt-rtx", compute_capabilities=["9.0"])
@@ -211,7 +213,7 @@ def test_precision_the_target_cannot_run_is_refused_before_the_build(tiny_onnx, 
 def test_rtx_timing_cache_is_not_used(tiny_onnx, tmp_path):
     cache = tmp_path / "timing.cache"
     r = build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", timing_cache=cache,
-                     profiles=Profiles.parse("batch=1,seq=1:8:32"), progress=False)
+                     profiles=Profile.parse("batch=1,seq=1:8:32"), progress=False)
     assert r.timing_cache is None and not cache.exists()
     assert r.warnings == [
         f"timing cache {cache} not used: TensorRT-RTX has no autotuning and its timing-cache operations are no-ops "
@@ -232,13 +234,13 @@ def test_failed_build_leaves_nothing(tiny_onnx, tmp_path):
 @needs_rtx
 def test_profile_beyond_context_refused_before_build(tiny_onnx, tmp_path):
     with pytest.raises(ConfigError) as e:
-        build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", profiles=Profiles.parse("seq=1:64:256"))
+        build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", profiles=Profile.parse("seq=1:64:256"))
     assert str(e.value) == "profile 'seq': max 256 exceeds the model's context of 128 tokens"
     with pytest.raises(ConfigError) as e:
         build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", opt_level=6)
     assert str(e.value) == "opt_level must be an integer from 0 to 5, got 6"
     with pytest.raises(ConfigError, match=r"profile 'batch': max 2000 .*fewer than 2\^31 per tensor: use a batch max of at most 1985"):
-        build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", profiles=Profiles.parse("batch=1:1:2000,seq=1:64:128"))
+        build_engine(tiny_onnx, tmp_path / "p.plan", builder="tensorrt-rtx", profiles=Profile.parse("batch=1:1:2000,seq=1:64:128"))
     assert _files(tmp_path) == []
 
 
@@ -388,6 +390,6 @@ def test_rtx_network_is_created_strongly_typed(monkeypatch, tiny_onnx, tmp_path)
         return network
 
     monkeypatch.setattr(trt.Builder, "create_network", watched)
-    build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", profiles=Profiles.parse("batch=1,seq=1:8:32"),
+    build_engine(tiny_onnx, tmp_path / "t.plan", builder="tensorrt-rtx", profiles=Profile.parse("batch=1,seq=1:8:32"),
                  opt_level=0, progress=False)
     assert flags == [1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)]

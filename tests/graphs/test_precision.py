@@ -147,8 +147,8 @@ def test_weight_out_of_fp16_range(tiny_onnx, tmp_path):
 def test_rtx_builds_half_precision(graphs, precision, tmp_path):
     pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX not installed: pip install 'andrea-export[rtx]'")
     from andrea_export.engine.builder import build_engine
-    from andrea_export.engine.profiles import Profiles
+    from andrea_export.engine.profiles import Profile
 
     r = build_engine(graphs[precision], tmp_path / f"{precision}.plan", builder="tensorrt-rtx",
-                     profiles=Profiles.parse("batch=1:1:2,seq=1:16:64"), progress=False)
+                     profiles=Profile.parse("batch=1:1:2,seq=1:16:64"), progress=False)
     assert r.precision == precision and r.tf32 is True and r.plan_bytes > 0
