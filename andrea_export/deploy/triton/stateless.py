@@ -43,6 +43,7 @@ Decisions, and why:
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ... import __version__
@@ -124,6 +125,41 @@ def write_triton_repo(
         The model folder `<repo_dir>/<name>`.
     """
     build_dir, repo_dir = Path(build_dir), Path(repo_dir)
+    _check_options(backend, kind, instances, max_batch_size, max_queue_delay_us)
+    pb = model_config_pb2()  # first: a missing dependency is said before any work
+    backend = _served_backend(build_dir, manifest, backend, kind, allow_failed, triton_release)
+    role = ROLE[backend]
+    artifact = artifact_file(build_dir, manifest, role)
+    io_onnx = artifact if backend == "onnxruntime" else _io_onnx(build_dir, manifest)
+    inputs, outputs = onnx_io(io_onnx)
+    _check_vocab(io_onnx, outputs, manifest)
+    profiles = manifest.get("profiles") or []
+    batching = _batching(build_dir, io_onnx, backend, profiles, inputs, outputs, max_batch_size,
+                         preferred_batch_sizes, dynamic_batching, max_queue_delay_us)  # fmt: skip
+    name = name or f"{manifest['model'].get('name', 'andrea')}-{manifest.get('precision', 'fp32')}-" + (
+        "trt" if backend == "tensorrt" else "onnx")  # fmt: skip
+    check_name(name, TRITON_NAME, PackageError)  # a folder name: the model names' rule
+    cfg = _model_config(pb, name, backend, io_onnx, inputs, outputs, batching, instances, kind, len(profiles))
+    for k, v in parameters(manifest, role, backend, triton_release).items():
+        cfg.parameters[k].string_value = v
+    header = _header(build_dir, manifest, role, backend, inputs, profiles, batching.max_batch_size, triton_release)
+    text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "\n" + config_text(cfg)
+    return write_model_dir(
+        repo_dir, name, text, artifact, backend, build_dir / MANIFEST, manifest, overwrite=overwrite, hardlink=hardlink
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How Triton batches the model: max_batch_size (0: no batching), and the dynamic batcher's settings."""
+
+    max_batch_size: int
+    preferred: list[int]
+    dynamic: bool
+    max_queue_delay_us: int
+
+
+def _check_options(backend: str, kind: str, instances: int, max_batch_size: int | None, max_queue_delay_us: int) -> None:
     if backend not in BACKENDS:
         raise PackageError(f"unknown backend '{backend}'; choose one of: {', '.join(BACKENDS)}")
     if kind not in KINDS:
@@ -135,19 +171,25 @@ def write_triton_repo(
     if not isinstance(max_queue_delay_us, int) or max_queue_delay_us < 0:
         raise PackageError(f"max_queue_delay_us must be >= 0, got {max_queue_delay_us}")
 
-    pb = model_config_pb2()  # first: a missing dependency is said before any work
+
+def _served_backend(build_dir: Path, manifest: dict, backend: str, kind: str, allow_failed: bool,
+                    triton_release: str | None) -> str:  # fmt: skip
+    """The backend that serves the build ("tensorrt" or "onnxruntime"), once the build's verification
+    status and the Triton release allow it; a build not fully verified is packaged with a warning."""
     status = check_status(build_dir, manifest, allow_failed, "it for serving")
     backend = choose_backend(build_dir, manifest, backend, kind)
     check_triton_release(build_dir, manifest, triton_release, plan=backend == "tensorrt")
     if status != "passed" and not (status == "engine-unverified" and backend == "onnxruntime"):
         warn(f"{build_dir}: packaging a build whose verification status is '{status}'")
-    role = ROLE[backend]
-    artifact = artifact_file(build_dir, manifest, role)
-    io_onnx = artifact if backend == "onnxruntime" else _io_onnx(build_dir, manifest)
-    inputs, outputs = onnx_io(io_onnx)
-    _check_vocab(io_onnx, outputs, manifest)
+    return backend
 
-    profiles = manifest.get("profiles") or []
+
+def _batching(build_dir: Path, io_onnx: Path, backend: str, profiles: list, inputs: dict, outputs: dict,
+              max_batch_size: int | None, preferred: list[int] | None, dynamic: bool,
+              max_queue_delay_us: int) -> Batching:  # fmt: skip
+    """max_batch_size (default: what the engine's profiles allow, or the ONNX default) checked against the
+    engine's profiles and the graph's first dimensions; an engine of several profiles prefers each
+    profile's largest batch."""
     bound = _engine_max_batch(build_dir, profiles, inputs) if backend == "tensorrt" else None
     if max_batch_size is None:
         max_batch_size = bound if bound is not None else _onnx_default_batch(profiles, inputs)
@@ -164,42 +206,34 @@ def write_triton_repo(
                     f"{io_onnx}: the first dimension of '{n}' is fixed to {dims[0]}, so Triton cannot batch "
                     "along it; use max_batch_size=0"
                 )
-
-    if backend == "tensorrt" and len(profiles) > 1 and preferred_batch_sizes is None and max_batch_size > 0:
-        preferred_batch_sizes = sorted({min(p[i]["max"][0], max_batch_size) for p in profiles for i in inputs if i in p})
-    for size in preferred_batch_sizes or []:
+    if backend == "tensorrt" and len(profiles) > 1 and preferred is None and max_batch_size > 0:
+        preferred = sorted({min(p[i]["max"][0], max_batch_size) for p in profiles for i in inputs if i in p})
+    for size in preferred or []:
         if not 1 <= size <= max_batch_size:
             raise PackageError(f"preferred batch size {size} is outside 1..max_batch_size ({max_batch_size})")
+    return Batching(max_batch_size, list(preferred or []), dynamic and max_batch_size > 0, max_queue_delay_us)
 
-    precision = manifest.get("precision", "fp32")
-    model_name = manifest["model"].get("name", "andrea")
-    name = name or f"{model_name}-{precision}-{'trt' if backend == 'tensorrt' else 'onnx'}"
-    check_name(name, TRITON_NAME, PackageError)  # a folder name: the model names' rule
 
-    cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=max_batch_size)
-    batch_dims = 1 if max_batch_size > 0 else 0
+def _model_config(pb, name: str, backend: str, io_onnx: Path, inputs: dict, outputs: dict, batching: Batching,
+                  instances: int, kind: str, n_profiles: int):  # fmt: skip
+    """Triton's ModelConfig message: I/O (without the batch dimension when Triton batches), the batcher, the
+    instance group (given every profile of an engine: without `profile` Triton uses profile 0 only)."""
+    cfg = pb.ModelConfig(name=name, platform=PLATFORM[backend], max_batch_size=batching.max_batch_size)
+    batch_dims = 1 if batching.max_batch_size > 0 else 0
     for n, (dtype, dims) in inputs.items():
         cfg.input.add(name=n, data_type=pb.DataType.Value(triton_type(io_onnx, n, dtype)), dims=dims[batch_dims:])
     for n, (dtype, dims) in outputs.items():
         cfg.output.add(name=n, data_type=pb.DataType.Value(triton_type(io_onnx, n, dtype)), dims=dims[batch_dims:])
-    if dynamic_batching and max_batch_size > 0:
+    if batching.dynamic:
         cfg.dynamic_batching.SetInParent()
-        cfg.dynamic_batching.preferred_batch_size.extend(preferred_batch_sizes or [])
-        cfg.dynamic_batching.max_queue_delay_microseconds = max_queue_delay_us
+        cfg.dynamic_batching.preferred_batch_size.extend(batching.preferred)
+        cfg.dynamic_batching.max_queue_delay_microseconds = batching.max_queue_delay_us
     group = cfg.instance_group.add(
         count=instances, kind=pb.ModelInstanceGroup.KIND_GPU if kind == "gpu" else pb.ModelInstanceGroup.KIND_CPU
     )
-    if backend == "tensorrt" and len(profiles) > 1:
-        group.profile.extend(str(i) for i in range(len(profiles)))
-    params = parameters(manifest, role, backend, triton_release)
-    for k, v in params.items():
-        cfg.parameters[k].string_value = v
-
-    header = _header(build_dir, manifest, role, backend, inputs, profiles, max_batch_size, triton_release)
-    text = "".join(f"# {line}\n" if line else "#\n" for line in header) + "\n" + config_text(cfg)
-    return write_model_dir(
-        repo_dir, name, text, artifact, backend, build_dir / MANIFEST, manifest, overwrite=overwrite, hardlink=hardlink
-    )
+    if backend == "tensorrt" and n_profiles > 1:
+        group.profile.extend(str(i) for i in range(n_profiles))
+    return cfg
 
 
 # --------------------------------------------------------------------------------------------- manifest
