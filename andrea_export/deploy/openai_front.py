@@ -11,6 +11,7 @@ best_of and suffix are refused with a 400 naming them.
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
@@ -37,98 +38,115 @@ def start_front(server, host: str, port: int, tokenizer=None) -> ThreadingHTTPSe
     return httpd
 
 
-def _handler(server, tokenizer):
-    model, upstream = server.model, f"{server.url()}/v2/models/{server.model}/generate_stream"
+def _handler(server, tokenizer) -> type[CompletionsHandler]:
+    """The handler class of one front: CompletionsHandler bound to the server's model and its upstream."""
+    upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
+    return type("Handler", (CompletionsHandler,), {"model": server.model, "upstream": upstream, "tokenizer": tokenizer})
 
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
 
-        def log_message(self, *args):  # quiet: Triton logs the requests
-            pass
+class CompletionsHandler(BaseHTTPRequestHandler):
+    """/health, /v1/models and /v1/completions, each completion one upstream request to the generate model."""
 
-        def do_GET(self):
-            if self.path in ("/health", "/v1/health"):
-                return self._json(200, {"status": "ok"})
-            if self.path == "/v1/models":
-                return self._json(200, {"object": "list", "data": [{"id": model, "object": "model", "created": 0,
-                                                                    "owned_by": "andrea-export"}]})
-            self._json(404, _error(f"no route {self.path}", "not_found"))
+    protocol_version = "HTTP/1.1"
+    model: str = ""
+    upstream: str = ""  # the generate model's /generate_stream
+    tokenizer = None
 
-        def do_POST(self):
-            try:
-                body = self._body()  # read before any answer, so the connection stays in step
-            except FrontError as e:
-                self.close_connection = True
-                return self._json(e.status, _error(str(e)))
-            if self.path != "/v1/completions":
-                return self._json(404, _error(f"no route {self.path}", "not_found"))
-            try:
-                feed, stops, stream = _translate(body, model)
-            except FrontError as e:
-                return self._json(e.status, _error(str(e)))
-            cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    def log_message(self, *args):  # quiet: Triton logs the requests
+        pass
 
-            def chunk(text, finish=None):
-                return {"id": cid, "object": "text_completion", "created": created, "model": model,
-                        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}
+    def do_GET(self):
+        if self.path in ("/health", "/v1/health"):
+            return self._json(200, {"status": "ok"})
+        if self.path == "/v1/models":
+            return self._json(200, {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
+                                                                "owned_by": "andrea-export"}]})  # fmt: skip
+        self._json(404, _error(f"no route {self.path}", "not_found"))
 
-            pieces = _completion(upstream, feed, stops)
-            try:
-                first = next(pieces)  # an upstream error comes before any token: answer it as an error
-            except FrontError as e:
-                return self._json(e.status, _error(str(e)))
-            if not stream:
-                text, count, finish = first[0], first[1], first[2]
-                for t, n, f in pieces:
-                    text, count, finish = text + t, count + n, f or finish
-                doc = chunk(text, finish)
-                doc["usage"] = _usage(tokenizer, feed, count)
-                return self._json(200, doc)
-            self.send_response(200)
-            self.send_header("Content-Type", "text/event-stream")
-            self.send_header("Cache-Control", "no-cache")
-            self.send_header("Connection", "close")
-            self.end_headers()
-            try:
-                self._event(chunk(first[0], first[2]))
-                if not first[2]:
-                    for text, _, finish in pieces:
-                        self._event(chunk(text, finish))
-                self.wfile.write(b"data: [DONE]\n\n")
-            except (BrokenPipeError, ConnectionResetError):  # the client left: drop the upstream request too
-                pieces.close()
-            except FrontError as e:
-                self._event({"error": _error(str(e))["error"]})
+    def do_POST(self):
+        try:
+            body = self._body()  # read before any answer, so the connection stays in step
+        except FrontError as e:
             self.close_connection = True
+            return self._json(e.status, _error(str(e)))
+        if self.path != "/v1/completions":
+            return self._json(404, _error(f"no route {self.path}", "not_found"))
+        try:
+            feed, stops, stream = _translate(body, self.model)
+        except FrontError as e:
+            return self._json(e.status, _error(str(e)))
+        chunk = functools.partial(_chunk, f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.model)
+        pieces = _completion(self.upstream, feed, stops)
+        try:
+            first = next(pieces)  # an upstream error comes before any token: answer it as an error
+        except FrontError as e:
+            return self._json(e.status, _error(str(e)))
+        if stream:
+            self._stream(chunk, first, pieces)
+        else:
+            self._whole(chunk, first, pieces, feed)
 
-        def _body(self) -> dict:
-            length = self.headers.get("Content-Length")
-            if self.headers.get("Transfer-Encoding") or length is None or not length.strip().isdigit():
-                raise FrontError("a JSON body with a Content-Length is needed", 411)
-            n = int(length)
-            if n > MAX_BODY:
-                raise FrontError(f"request body of {n} bytes is over the {MAX_BODY} allowed", 413)
-            try:
-                body = json.loads(self.rfile.read(n) or b"{}")
-            except (ValueError, UnicodeDecodeError, RecursionError) as e:
-                raise FrontError(f"the body is not JSON: {str(e)[:200]}") from None
-            if not isinstance(body, dict):
-                raise FrontError("the body must be a JSON object")
-            return body
+    def _whole(self, chunk, first: tuple, pieces, feed: dict) -> None:
+        """The completion in one JSON answer, with its token usage."""
+        text, count, finish = first[0], first[1], first[2]
+        for t, n, f in pieces:
+            text, count, finish = text + t, count + n, f or finish
+        doc = chunk(text, finish)
+        doc["usage"] = _usage(self.tokenizer, feed, count)
+        self._json(200, doc)
 
-        def _event(self, doc):
-            self.wfile.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
-            self.wfile.flush()
+    def _stream(self, chunk, first: tuple, pieces) -> None:
+        """The completion as server-sent events, each piece as it comes; a client that leaves drops the
+        upstream request too."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")
+        self.end_headers()
+        try:
+            self._event(chunk(first[0], first[2]))
+            if not first[2]:
+                for text, _, finish in pieces:
+                    self._event(chunk(text, finish))
+            self.wfile.write(b"data: [DONE]\n\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pieces.close()
+        except FrontError as e:
+            self._event({"error": _error(str(e))["error"]})
+        self.close_connection = True
 
-        def _json(self, status: int, doc: dict):
-            data = json.dumps(doc).encode()
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    def _body(self) -> dict:
+        length = self.headers.get("Content-Length")
+        if self.headers.get("Transfer-Encoding") or length is None or not length.strip().isdigit():
+            raise FrontError("a JSON body with a Content-Length is needed", 411)
+        n = int(length)
+        if n > MAX_BODY:
+            raise FrontError(f"request body of {n} bytes is over the {MAX_BODY} allowed", 413)
+        try:
+            body = json.loads(self.rfile.read(n) or b"{}")
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            raise FrontError(f"the body is not JSON: {str(e)[:200]}") from None
+        if not isinstance(body, dict):
+            raise FrontError("the body must be a JSON object")
+        return body
 
-    return Handler
+    def _event(self, doc):
+        self.wfile.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
+        self.wfile.flush()
+
+    def _json(self, status: int, doc: dict):
+        data = json.dumps(doc).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def _chunk(cid: str, created: int, model: str, text: str, finish: str | None = None) -> dict:
+    """One text_completion object: the whole answer, or one event of a stream."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
 
 
 def _error(message: str, kind: str = "invalid_request_error") -> dict:
