@@ -211,6 +211,12 @@ def _shape(row: dict) -> str:
 
 def to_markdown(doc: dict) -> str:
     """Markdown: a header on the machine, one table per scenario, the speedups and the goals."""
+    sections = (_md_header, _md_notes, _md_backends, _md_scenarios, _md_peers, _md_inplace, _md_speedups, _md_goals)
+    return "\n".join(line for section in sections for line in section(doc))
+
+
+def _md_header(doc: dict) -> list[str]:
+    """The machine, its measured limits and the weights, and what x floor means."""
     m, s = doc["machine"], doc["settings"]
     cfg = doc["config"]
     env = doc["environment"]
@@ -230,6 +236,12 @@ def to_markdown(doc: dict) -> str:
         "1.0 would be the machine's limit."),
         "",
     ]
+    return out
+
+
+def _md_notes(doc: dict) -> list[str]:
+    """Warnings, failed cases and the backends that did not run."""
+    out = []
     for w in doc.get("warnings", []):
         out.append(f"- **WARNING**: {w}")
     for f in doc.get("failed_cases", []):
@@ -237,7 +249,12 @@ def to_markdown(doc: dict) -> str:
     for name, b in doc["backends"].items():
         if b.get("status") != "ok":
             out.append(f"- backend `{name}`: {b.get('status')}: {b.get('reason')}")
-    out.append("")
+    return out + [""]
+
+
+def _md_backends(doc: dict) -> list[str]:
+    """What each backend computes in, where its runtime says."""
+    out: list[str] = []
     ran = {name: b for name, b in doc["backends"].items() if b.get("status") == "ok"}
     if any("compute_precision" in b or "kv_cache_precision" in b for b in ran.values()):
         out += ["## Backends: what each computes in, as its runtime reports it once loaded", "",
@@ -246,6 +263,12 @@ def to_markdown(doc: dict) -> str:
             version = b.get("version") or b.get("versions") or "-"
             out.append(f"| {name} | {b.get('compute_precision') or '-'} | {b.get('kv_cache_precision') or '-'} | {version} |")
         out.append("")
+    return out
+
+
+def _md_scenarios(doc: dict) -> list[str]:
+    """One table per scenario: the timings against the floors."""
+    out: list[str] = []
     titles = {"prefill": "Prefill (whole prompt, logits for every token)",
               "decode": "One decode step with the KV cache", "generate": "Greedy generation end to end"}
     for scen, title in titles.items():
@@ -263,6 +286,12 @@ def to_markdown(doc: dict) -> str:
                 f"{_fmt(r.get('tokens_per_s'))} |"
             )
         out.append("")
+    return out
+
+
+def _md_peers(doc: dict) -> list[str]:
+    """Each peer's time over ours at the same precision, and the peers not run."""
+    out: list[str] = []
     pe = doc.get("peers") or peers(doc)
     if pe["ratios"] or pe["skipped"]:
         out += ["## Peers: time / ours at the same precision, paired by round; > 1 means ours is faster", ""]
@@ -277,6 +306,12 @@ def to_markdown(doc: dict) -> str:
         for s in pe["skipped"]:
             out.append(f"- `{s['peer']}` not run ({s['scenario']}): {s['reason']}")
         out.append("")
+    return out
+
+
+def _md_inplace(doc: dict) -> list[str]:
+    """What the in-place cache gains over the standard decoder."""
+    out: list[str] = []
     gain = doc.get("inplace") or inplace_gain(doc)
     if gain:
         out += [f"## The in-place cache: `{CONCAT}` (standard decoder) time / `{OURS}` (in-place decoder), "
@@ -286,19 +321,29 @@ def to_markdown(doc: dict) -> str:
             out.append(f"| {q['scenario']} | {_shape(q)} | {_fmt(q['concat_ms'])} | {_fmt(q['inplace_ms'])} | "
                        f"{_fmt(q['time_ratio'])} |")  # fmt: skip
         out.append("")
+    return out
+
+
+def _md_speedups(doc: dict) -> list[str]:
+    out: list[str] = []
     if doc.get("ratios"):
         out += ["## Speedups (per-iteration median of t_baseline / t_backend; > 1 means faster)", "",
                 "| scenario | shape | backend | vs | speedup |", "|---|---|---|---|---:|"]  # fmt: skip
         for q in doc["ratios"]:
             out.append(f"| {q['scenario']} | {_shape(q)} | {q['backend']} | {q['baseline']} | {_fmt(q['speedup'])} |")
         out.append("")
+    return out
+
+
+def _md_goals(doc: dict) -> list[str]:
+    out: list[str] = []
     if doc.get("goals"):
         out += ["## Goals", "", "| goal | target | value | met | detail |", "|---|---|---:|---|---|"]
         for g in doc["goals"]:
             met = {True: "yes", False: "NO", None: "not measured"}[g.get("met")]
             out.append(f"| {g['name']} | {g['target']} | {_fmt(g.get('value'))} | {met} | {g.get('detail', '')} |")
         out.append("")
-    return "\n".join(out)
+    return out
 
 
 # ---------------------------------------------------------------- plots
@@ -356,10 +401,10 @@ def write_plots(doc: dict, out_dir: str | Path) -> list[Path]:
         for ax, (scen, past) in zip(axes[0], panels):
             rows = [r for r in (dec if scen == "decode" else gen) if past is None or r["past"] == past]
             for backend in dict.fromkeys(r["backend"] for r in rows if r["backend"] in color or r["backend"] == "mem-read"):
-                pts = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["backend"] == backend)
+                curve = sorted((r["batch"], r["tokens_per_s"]) for r in rows if r["backend"] == backend)
                 style = dict(color="0.5", linestyle=":", marker=".", label="reading the bytes once (same rounds)") \
                     if backend == "mem-read" else dict(color=color[backend], marker="o", label=backend)
-                ax.plot([q[0] for q in pts], [q[1] for q in pts], **style)
+                ax.plot([q[0] for q in curve], [q[1] for q in curve], **style)
             # fp32's floor: a quantized row has its own (fewer bytes), which would make one line zigzag
             ceil = sorted({(r["batch"], 1000.0 * r["batch"] / r["floor_ms"]) for r in rows
                            if r.get("floor_ms") and r.get("precision", "fp32") == "fp32"})
@@ -426,7 +471,7 @@ def _log_y(ax) -> None:
 
 def _legend_below(fig, axes) -> None:
     """One legend for all panels, below them, where it covers no curve."""
-    entries = {}
+    entries: dict[str, object] = {}
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)
