@@ -1,7 +1,7 @@
 """The toolkit's errors: user errors (bad input, missing dependency) that the CLI prints as one clear
 line and exits non-zero. Anything else is a bug and keeps its traceback. Also the two checks for optional
-modules (`require`, `installed`) and the one for a GPU (`gpu_compute_capability`), so that every layer
-can use them."""
+modules (`require`, `installed`) and the driver's answers on the GPU (`gpu_compute_capability`,
+`detect_compute_capability`, `cuda_driver_version`: the one libcuda probe), so that every layer can use them."""
 
 import ctypes
 import importlib
@@ -74,18 +74,42 @@ def installed(module: str) -> bool:
 
 
 def gpu_compute_capability() -> str | None:
-    """The compute capability of GPU 0 ("8.9"), or None without a GPU and a working driver.
+    """The compute capability of GPU 0 ("8.9"), or None without a GPU and a working driver (here, beside
+    `installed`, so the runtime can ask without importing the builder)."""
+    cc = detect_compute_capability(0)
+    return None if cc is None else f"{cc[0]}.{cc[1]}"
 
-    Asks the CUDA driver (libcuda) directly, so it needs neither torch's CUDA build nor cuda-python (here,
-    beside `installed`, so the runtime can ask without importing the builder)."""
+
+def detect_compute_capability(device: int = 0) -> tuple[int, int] | None:
+    """The compute capability of CUDA device `device` ((8, 9)), or None without it and a working driver.
+
+    Asks the CUDA driver (libcuda) directly, so it needs neither torch's CUDA build nor cuda-python: a bare
+    GPU host's check script can ask before anything else is installed."""
+    cuda = _libcuda()
+    if cuda is None:
+        return None
+    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device) != 0:
+        return None
+    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76 (cuda.h)
+    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev):
+        return None
+    return major.value, minor.value
+
+
+def cuda_driver_version() -> int | None:
+    """The CUDA version the installed driver supports (cuDriverGetVersion: 13000 = 13.0), or None without libcuda."""
+    cuda = _libcuda()
+    if cuda is None:
+        return None
+    version = ctypes.c_int()
+    if cuda.cuDriverGetVersion(ctypes.byref(version)) != 0:  # needs no cuInit
+        return None
+    return version.value
+
+
+def _libcuda():
     try:
-        cuda = ctypes.CDLL("libcuda.so.1")
+        return ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
-    n, major, minor = ctypes.c_int(0), ctypes.c_int(0), ctypes.c_int(0)
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0 or n.value < 1:
-        return None
-    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76
-    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, 0) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, 0):
-        return None
-    return f"{major.value}.{minor.value}"

@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import MissingDependency, PluginError
+from ..errors import cuda_driver_version as cuda_driver_version  # the driver's answers, asked once (errors.py)
+from ..errors import detect_compute_capability as detect_compute_capability
 from ..folder.atomic import write_text_atomic
 
 NVRTC_REQUIREMENT = "nvidia-cuda-nvrtc==13.0.88"
@@ -114,33 +116,6 @@ def best_arch(capability: tuple[int, int] | None) -> str:
     if not fitting:
         raise PluginError(f"GPU compute capability {capability[0]}.{capability[1]} is below sm_80, the kernel's minimum")
     return max(fitting, key=lambda a: int(a[3:]))
-
-
-def detect_compute_capability(device: int = 0) -> tuple[int, int] | None:
-    """Compute capability of CUDA device `device` through the driver (libcuda), or None without one."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    dev, major, minor = ctypes.c_int(), ctypes.c_int(), ctypes.c_int()
-    if cuda.cuInit(0) != 0 or cuda.cuDeviceGet(ctypes.byref(dev), device) != 0:
-        return None
-    # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR = 75, _MINOR = 76 (cuda.h)
-    if cuda.cuDeviceGetAttribute(ctypes.byref(major), 75, dev) or cuda.cuDeviceGetAttribute(ctypes.byref(minor), 76, dev):
-        return None
-    return major.value, minor.value
-
-
-def cuda_driver_version() -> int | None:
-    """The CUDA version the installed driver supports (cuDriverGetVersion: 13000 = 13.0), or None without libcuda."""
-    try:
-        cuda = ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-    version = ctypes.c_int()
-    if cuda.cuDriverGetVersion(ctypes.byref(version)) != 0:  # needs no cuInit
-        return None
-    return version.value
 
 
 def check_driver(kernel: "CompiledKernel", driver: int | None) -> None:
