@@ -8,13 +8,19 @@ import importlib
 
 def lazy_exports(package: str, table: dict[str, list[str]]):
     """(__getattr__, __dir__, __all__) for `package`, whose public names live in the submodules `table`
-    names: {"submodule": ["name", ...]}."""
-    where = {name: f"{package}.{module}" for module, names in table.items() for name in names}
+    names: {"submodule": ["name", ...]}. An entry "attr as name" exports the submodule's `attr` as `name`, spelled
+    as the `from submodule import attr as name` that a TYPE_CHECKING block beside it writes."""
+    where: dict[str, tuple[str, str]] = {}
+    for module, names in table.items():
+        for entry in names:
+            attr, _, name = entry.partition(" as ")
+            where[name or attr] = (f"{package}.{module}", attr)
 
     def __getattr__(name: str):
         if name not in where:
             raise AttributeError(f"module {package!r} has no attribute {name!r}")
-        return getattr(importlib.import_module(where[name]), name)
+        module, attr = where[name]
+        return getattr(importlib.import_module(module), attr)
 
     def __dir__() -> list[str]:
         return sorted(where)

@@ -1,6 +1,10 @@
 """The package's layout, computed from its sources with `ast`: one package per pipeline stage, no module
 importing a stage above its own, no import circle (lazy imports inside functions count too), and every
-module saying in its first docstring line what it is for."""
+module saying in its first docstring line what it is for.
+
+An `if TYPE_CHECKING:` block never runs, so its imports are not edges of the graph; only the face (the root
+package, which names the user's API for type checkers) may use one to name a stage above its own, and its
+runtime imports obey the rule like every module's."""
 
 from __future__ import annotations
 
@@ -36,12 +40,33 @@ def stage(module: str) -> str:
     return first
 
 
-def imports(module: str) -> set[str]:
-    """Every andrea_export module `module` imports, wherever the import stands (top level or in a function)."""
+def is_type_checking(node: ast.AST) -> bool:
+    """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`"""
+    test = node.test if isinstance(node, ast.If) else None
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def split_nodes(tree: ast.AST) -> tuple[list[ast.AST], list[ast.AST]]:
+    """(the nodes that can run, the nodes inside `if TYPE_CHECKING:` bodies, which never do)."""
+    run, typing_only, todo = [], [], [(tree, False)]
+    while todo:
+        node, typed = todo.pop()
+        (typing_only if typed else run).append(node)
+        if is_type_checking(node):
+            todo += [(n, True) for n in node.body] + [(n, typed) for n in node.orelse] + [(node.test, typed)]
+        else:
+            todo += [(n, typed) for n in ast.iter_child_nodes(node)]
+    return run, typing_only
+
+
+def imports(module: str, typing_only: bool = False) -> set[str]:
+    """Every andrea_export module `module` imports, wherever the import stands (top level or in a function);
+    with `typing_only`, those its `if TYPE_CHECKING:` blocks import instead."""
     path = MODULES[module]
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     found = set()
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+    for node in split_nodes(ast.parse(path.read_text(encoding="utf-8")))[typing_only]:
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.split(".")[0] == "andrea_export"}
         elif isinstance(node, ast.ImportFrom):
@@ -60,6 +85,8 @@ def imports(module: str) -> set[str]:
 
 
 GRAPH = {m: imports(m) for m in MODULES}
+TYPING_GRAPH = {m: imports(m, typing_only=True) for m in MODULES}
+FACE = "andrea_export"
 
 
 def test_every_module_is_in_a_stage():
@@ -70,6 +97,21 @@ def test_no_module_imports_a_stage_above_its_own():
     upward = [f"{m} ({stage(m)}) imports {d} ({stage(d)})" for m, deps in GRAPH.items() for d in sorted(deps)
               if STAGES.index(stage(d)) > STAGES.index(stage(m))]
     assert not upward, "\n".join(upward)
+
+
+def test_only_the_face_imports_upward_for_type_checkers():
+    upward = [f"{m} ({stage(m)}) imports {d} ({stage(d)}) for type checkers" for m, deps in TYPING_GRAPH.items()
+              for d in sorted(deps) if m != FACE and STAGES.index(stage(d)) > STAGES.index(stage(m))]
+    assert not upward, "\n".join(upward)
+    assert {stage(d) for d in TYPING_GRAPH[FACE]} >= {"top", "runtime"}, "the face names the user's API for editors"
+
+
+def test_a_type_checking_import_is_not_a_runtime_import():
+    source = ("import typing\nfrom typing import TYPE_CHECKING\nimport a\nif TYPE_CHECKING:\n    import b\n"
+              "else:\n    import c\nif typing.TYPE_CHECKING:\n    import d\ndef f():\n    import e\n")
+    run, typed = split_nodes(ast.parse(source))
+    names = lambda nodes: {a.name for n in nodes if isinstance(n, ast.Import) for a in n.names}  # noqa: E731
+    assert (names(run), names(typed)) == ({"typing", "a", "c", "e"}, {"b", "d"})
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -117,7 +159,7 @@ def test_every_module_says_what_it_is_for(module):
     assert doc and doc.splitlines()[0].strip(), f"{MODULES[module]}: no docstring saying what the module is for"
 
 
-PACKAGES = sorted(m for m, p in MODULES.items() if p.name == "__init__.py" and "lazy_exports" in p.read_text())
+PACKAGES = sorted(m for m, p in MODULES.items() if m != FACE and p.name == "__init__.py" and "lazy_exports" in p.read_text())
 
 
 def test_the_stages_re_export_lazily():
