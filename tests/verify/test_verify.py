@@ -205,3 +205,22 @@ def test_bf16_top1_forgives_only_flips_the_reference_cannot_tell_apart():
     far[0, 1, 3] += 1.5  # a flip the reference separates by 1 logit: counts
     m = lm_metrics(ref, far, tie=TOP1_TIE["bf16"])
     assert m["top1_beyond_ties"] == pytest.approx(2 / 3) and not lm_passed(m, lm_thresholds("bf16"))
+
+
+def test_the_torch_runner_gives_the_full_graphs_io_or_the_decoders(tiny_model):
+    """One PyTorch runner for both graphs: with a KV layout its prefill from an empty past is the full
+    sequence's logits, and it returns every present.* beside them."""
+    from andrea_export.graphs.layout import kv_layout
+    from andrea_export.verify.runners import TorchRunner
+
+    layout = kv_layout(tiny_model.cfg)
+    ids = np.random.default_rng(0).integers(0, tiny_model.cfg.vocab_size, (2, 5), dtype=np.int64)
+    past = {n: np.zeros((2, layout.n_head, 0, layout.head_dim), np.float32) for n in layout.past_names}
+    full, kv = TorchRunner(tiny_model), TorchRunner(tiny_model, layout=layout)
+    assert (full.name, kv.name) == ("pytorch", "pytorch-kv")
+    with full, kv:
+        assert list(kv.get_input_metadata()) == [t.name for t in layout.inputs]
+        want = full.infer({"input_ids": ids})["logits"]
+        got = kv.infer({"input_ids": ids, "attention_mask": np.ones((2, 5), np.int64), **past})
+    assert set(got) == {"logits", *layout.present_names}
+    np.testing.assert_allclose(got["logits"], want, rtol=1e-5, atol=1e-5)
