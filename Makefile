@@ -1,6 +1,8 @@
 # Two commands do everything on a fresh machine (see README):
 #   make build   set up .venv and run `andrea-export build` on its embedded default (ANDREA-120M)
 #   make test    set up .venv (and .venv-serve, the serving environment) and run the test suite
+#   make test-quick   the same without the heavy tier (full-size builds, real servers, peer exports: pyproject's
+#                `heavy` marker, tests/conftest.py): under two minutes on 2 cores, to run while working
 # Set-up is idempotent: it reinstalls only when pyproject.toml changed.
 
 PYTHON ?= python3
@@ -11,7 +13,7 @@ SERVE_VENV ?= .venv-serve
 # torch 2.13.0 CPU lies on these machines' disk (/opt/wheels); elsewhere pip takes it from PyPI.
 FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
 
-.PHONY: build test setup serve-env bench-env clean docs docs-serve
+.PHONY: build test test-quick setup serve-env bench-env clean docs docs-serve
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +46,9 @@ build: setup
 
 test: setup serve-env
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test-quick: setup serve-env
+	$(BIN)/python -m pytest -m "not heavy" $(PYTEST_ARGS)
 
 # The manual (docs/, mkdocs.yml) into site/; --strict: a broken link or a missing API name fails it
 docs: setup

@@ -109,3 +109,60 @@ def tiny_build(tmp_path_factory):
     opts = BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=4,
                         verify_shapes=[[1, 3], [2, 128]])
     return out, run_build(opts)
+
+
+# The heavy tier (pyproject's `heavy` marker): the minute-scale tests that `make test-quick` (`pytest -m "not heavy"`)
+# leaves out, so that the rest runs in under two minutes on 2 cores while one works. A test is heavy when it is
+# marked `slow`, named below, in a file below, or uses a fixture below (directly or through another fixture): with
+# those tests deselected the fixtures are never built, which is where their time goes. Each entry was measured
+# (`pytest --durations`): seconds to a minute here.
+HEAVY_FIXTURES = {  # (the file that defines it, its name): fixtures that build a folder or export a peer's model
+    ("tests/conftest.py", "lively_build"),  # a checkpoint build with its decoder engine
+    ("tests/bench/test_bench.py", "run"),  # a whole benchmark run
+    ("tests/test_pipeline.py", "demo_fp16_build"),
+    ("tests/engine/test_onnx_rules.py", "tensorrt_graphs"),  # every graph of a precision, the plugin pass included
+    ("tests/graphs/test_quantize.py", "quantized_build"),
+    ("tests/test_hostile_inputs.py", "tiny_build_src"),
+    ("tests/deploy/test_triton.py", "real_build"),
+    ("tests/verify/test_verify_openvino.py", "folder"),
+    ("tests/model/test_text.py", "split"),  # the whole corpus, read and split
+}
+HEAVY_FILES = {  # real Triton servers, and the peer runtimes' own exports (OpenVINO, CTranslate2, Optimum)
+    "tests/deploy/test_serve.py", "tests/bench/test_bench_serve.py", "tests/bench/test_bench_cpu_peers.py",
+    "tests/bench/test_bench_peers.py", "tests/deploy/test_optimum.py",
+}
+HEAVY_TESTS = {  # node ids without their parameters
+    "tests/model/test_text.py::test_train_demo_trains_a_model_far_below_the_unigram_baseline",
+    "tests/runtime/test_runtime_trt_fake.py::test_close_lets_go_of_the_engine_and_a_forgotten_session_frees_its_memory",
+    "tests/model/test_gpt2.py::test_save_pretrained_folder_builds_and_matches_hugging_face",
+    "tests/test_pipeline.py::test_bf16_build_perplexity_within_one_percent",
+    # each runs a build of its own (the tiny model, engines included), or the benchmark's command line
+    "tests/test_pipeline.py::test_fp16_build_without_decoder",
+    "tests/test_pipeline.py::test_failed_build_leaves_nothing",
+    "tests/test_pipeline.py::test_force_replaces_a_build_and_removes_its_leftovers",
+    "tests/test_pipeline.py::test_ctrl_c_mid_build_leaves_nothing",
+    "tests/test_careless_inputs.py::test_ctrl_c_during_the_engine_build_is_an_interruption_not_a_failure",
+    "tests/test_careless_inputs.py::test_out_on_a_read_only_or_full_file_system",
+    "tests/bench/test_bench.py::test_cli_spin_reaches_every_ort_backend",
+    "tests/verify/test_verify_openvino.py::test_a_cpu_without_bf16_verifies_openvino_in_f32_not_unverified",
+}
+
+
+def is_heavy(item: pytest.Item, root: Path) -> bool:
+    if item.get_closest_marker("slow") or item.nodeid.split("[")[0] in HEAVY_TESTS:
+        return True
+    if item.nodeid.split("::")[0] in HEAVY_FILES:
+        return True
+    info = getattr(item, "_fixtureinfo", None)  # every fixture the test needs, through other fixtures too
+    for defs in (info.name2fixturedefs.values() if info else ()):
+        for d in defs:
+            where = Path(d.func.__code__.co_filename)
+            if where.is_relative_to(root) and (where.relative_to(root).as_posix(), d.argname) in HEAVY_FIXTURES:
+                return True
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if is_heavy(item, config.rootpath):
+            item.add_marker(pytest.mark.heavy)
