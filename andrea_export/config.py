@@ -111,8 +111,9 @@ ANDREA_TINY = ModelConfig(name="andrea-tiny", vocab_size=8449, n_embd=64, n_laye
 PRESETS = {c.name: c for c in (ANDREA_120M, ANDREA_TINY)}
 
 
-def load_config(name_or_path: str | Path) -> ModelConfig:
-    """A preset by name (`andrea-120m`, `andrea-tiny`) or a JSON file with ModelConfig's fields."""
+def load_config(name_or_path: str | Path | ModelConfig) -> ModelConfig:
+    """A preset by name (`andrea-120m`, `andrea-tiny`) or a JSON file with ModelConfig's fields (a ModelConfig
+    is taken as it is)."""
     if isinstance(name_or_path, ModelConfig):
         return name_or_path
     key = str(name_or_path)

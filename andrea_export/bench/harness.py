@@ -123,7 +123,7 @@ def run_interleaved(
     `on_round(done, total)` is called after each timed round (progress bars)."""
     names = list(fns)
     timers = timers or {}
-    warm = {n: [] for n in names}
+    warm: dict[str, list[int]] = {n: [] for n in names}
     t_end = time.perf_counter() + settings.warmup_s
     while True:
         t_round = time.perf_counter()
@@ -137,7 +137,7 @@ def run_interleaved(
             break
     round_ns = max(1, sum(warm[n][-1] for n in names))
     rounds = int(min(settings.max_repeats, max(settings.min_repeats, settings.budget_s * 1e9 // round_ns)))
-    samples = {n: [] for n in names}
+    samples: dict[str, list[int]] = {n: [] for n in names}
     order = interleaved_order(names, rounds, settings.interleave)
     for i, n in enumerate(order):
         _settle(settings.gap_s, len(names))

@@ -47,7 +47,7 @@ def measure_machine(threads: int, quick: bool = False, device: str = "cpu") -> d
     dst = torch.empty_like(src)
     t_copy = best(lambda: dst.copy_(src))
     t_read = best(lambda: src.sum())
-    src = dst = None  # free 2 x nbytes before the matmul
+    del src, dst  # free 2 x nbytes before the matmul
     a = torch.randn(n_mm, n_mm, device=dev)
     b = torch.randn(n_mm, n_mm, device=dev)
     c = torch.empty(n_mm, n_mm, device=dev)

@@ -245,8 +245,8 @@ def _start_backends(backends: Iterable[Backend], ctx: Context, scenarios: tuple[
         try:
             info[b.name] = {"status": "ok", "reason": None, "device": b.device, **b.setup(ctx)}
             b.prepare(scenarios)
-            if getattr(b, "compute_precision", None):  # what the runtime says it computes in, known once loaded
-                info[b.name]["compute_precision"] = b.compute_precision
+            if computes := getattr(b, "compute_precision", None):  # what the runtime says it computes in, once loaded
+                info[b.name]["compute_precision"] = computes
             if hasattr(b, "kv_cache_precision"):  # OpenVINO's fused attention keeps its cache at its own precision
                 info[b.name]["kv_cache_precision"] = b.kv_cache_precision
             active.append(b)

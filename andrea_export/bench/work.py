@@ -51,7 +51,9 @@ def quantized_matmul_bytes(cfg: ModelConfig, precision: str) -> int:
     C, bits = cfg.n_embd, QUANT[precision]["bits"]
 
     def per_weight(k: int, head: bool = False) -> float:
-        return bits / 8 + 4 / block_for(k, precision, head=head)
+        block = block_for(k, precision, head=head)
+        assert block is not None, "quantize.check_model_shape refuses a width no block divides"
+        return bits / 8 + 4 / block
 
     body = cfg.n_layer * (8 * C * C * per_weight(C) + 4 * C * C * per_weight(4 * C))  # qkv, proj, fc; fc2
     return int(body + cfg.vocab_size * C * per_weight(C, head=True))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ExportError
@@ -130,7 +131,7 @@ def _template(layer0_name: str) -> str:
     return f"{head}.%d.{tail}"
 
 
-def write_genai_config(decoder_onnx: str | Path, *, tokenizer_files: list[str | Path] = (), **kwargs) -> Path:
+def write_genai_config(decoder_onnx: str | Path, *, tokenizer_files: Sequence[str | Path] = (), **kwargs) -> Path:
     """Write genai_config.json beside `decoder_onnx` (atomically) and copy `tokenizer_files`
     (tokenizer.json, tokenizer_config.json) into the same folder. Returns the config's path."""
     decoder_onnx = Path(decoder_onnx)

@@ -8,6 +8,7 @@ import json
 import re
 import signal
 import threading
+from typing import Any
 
 from ..errors import gpu_compute_capability
 from ..progress import console
@@ -22,7 +23,7 @@ def expected_warning(message: str) -> bool:
     )
 
 
-def make_logger(trt):
+def make_logger(trt: Any):
     """A TensorRT logger that collects warnings and errors for messages, and the builder's layer listing."""
 
     class Logger(trt.ILogger):
@@ -48,13 +49,13 @@ def make_logger(trt):
 
 def progress_monitor(trt, show: bool, title: str):
     """A TensorRT IProgressMonitor drawing rich progress bars, one per running build phase."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn
 
     class Monitor(trt.IProgressMonitor):
         def __init__(self):
             trt.IProgressMonitor.__init__(self)
             self.interrupted = False
-            self._tasks: dict[str, tuple[int, int]] = {}  # phase -> (task id, depth)
+            self._tasks: dict[str, tuple[TaskID, int]] = {}  # phase -> (task id, depth)
             self._lock = threading.Lock()
             self._progress = (
                 Progress(TextColumn("{task.description}", markup=False), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -76,7 +77,7 @@ def progress_monitor(trt, show: bool, title: str):
             try:
                 with self._lock:
                     depth = self._tasks[parent_phase][1] + 1 if parent_phase in self._tasks else 0
-                    tid = self._progress.add_task("  " * depth + phase_name, total=num_steps) if self._progress else -1
+                    tid = self._progress.add_task("  " * depth + phase_name, total=num_steps) if self._progress else TaskID(-1)
                     self._tasks[phase_name] = (tid, depth)
             except BaseException:  # Ctrl-C lands in whichever Python code runs: cancel the build
                 self.interrupted = True

@@ -37,10 +37,10 @@ def atomic_path(final: str | Path):
     """Yield a temporary path beside `final`; on success rename it to `final`, on any error remove it."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
+    fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".partial", dir=final.parent)
     os.fchmod(fd, _FILE_MODE)
     os.close(fd)
-    tmp = Path(tmp)
+    tmp = Path(name)
     try:
         yield tmp
         os.chmod(tmp, _FILE_MODE)  # a writer that replaces the file (safetensors does) brings its own 0600

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
+from typing import Any
 
 from .. import userfiles
 from ..errors import BuildError
@@ -194,9 +195,9 @@ def read_engine_info(path: str | Path, error: type[Exception] = BuildError) -> d
     return info
 
 
-def metadata_json(meta: dict[str, str], key: str, path) -> object:
+def metadata_json(meta: dict[str, str], key: str, path) -> Any:
     """The JSON value of ONNX/safetensors metadata entry `key` (written by whoever made the file), or
-    ExportError naming the file and the key."""
+    ExportError naming the file and the key. Any JSON value: each caller checks the shape it needs."""
     from ..errors import ExportError
 
     try:

@@ -88,10 +88,12 @@ def export_program(
             module, args, dynamo=True, opset_version=opset, input_names=input_names, output_names=output_names,
             dynamic_shapes=dynamic_shapes, optimize=True, verbose=False,
         )
+        assert program is not None  # None only from the TorchScript exporter (dynamo=False)
         if edit is not None:
             edit(program.model)
         _drop_stack_traces(program.model)
-        meta = {CONFIG_KEY: json.dumps(module.cfg.to_dict(), sort_keys=True),
+        # the reference model or a decoder wrapping it: each carries its ModelConfig as `cfg`
+        meta = {CONFIG_KEY: json.dumps(getattr(module, "cfg").to_dict(), sort_keys=True),
                 WEIGHTS_KEY: json.dumps(getattr(module, "weights_source", {}), sort_keys=True), **(metadata or {})}
         program.model.metadata_props.update(meta)
         program.model.producer_name = "andrea-export"
@@ -113,7 +115,7 @@ def _drop_stack_traces(ir_model) -> None:
 
 def op_counts(model: onnx.ModelProto) -> Counter:
     """Node counts by op type; `Gelu(tanh)` and `Gelu(none)` are counted apart."""
-    counts = Counter()
+    counts: Counter[str] = Counter()
     for n in model.graph.node:
         if n.op_type == "Gelu":
             approx = next((a.s.decode() for a in n.attribute if a.name == "approximate"), "none")

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -82,7 +83,7 @@ def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str)
             _set_meta(model, KV_LAYOUT_KEY, json.dumps(layout.to_dict(), sort_keys=True))
     _set_meta(model, PRECISION_KEY, precision)
     with staging(onnx_out.parent) as tmp:
-        kw = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
+        kw: dict[str, Any] = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
         onnx.save(model, str(tmp / onnx_out.name), **kw)
         try:
             onnx.checker.check_model(str(tmp / onnx_out.name), full_check=True)
@@ -208,7 +209,8 @@ def _convert_tensor(t: TensorProto, dtype: int, name: str) -> TensorProto:
 
 
 def _suffix(dtype: int) -> str:
-    return {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}[dtype]
+    names: dict[int, str] = {TensorProto.FLOAT16: "fp16", TensorProto.BFLOAT16: "bf16", TensorProto.FLOAT: "fp32"}
+    return names[dtype]
 
 
 def _set_meta(model: onnx.ModelProto, key: str, value: str) -> None:

@@ -57,6 +57,7 @@ MatMul). The accuracy of each form is in verify/thresholds.py; `engine/onnx_rule
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import onnx
@@ -73,7 +74,7 @@ QUANT = {"int8": dict(bits=8, block_size=128, head_block_size=128, accuracy_leve
          "int4": dict(bits=4, block_size=128, head_block_size=32, accuracy_level=4)}
 MIN_BLOCK = 16
 # precision -> the engines' Q/DQ layout (to_qdq): int8 per output column, int4 in blocks of 32 along K
-ENGINE_QUANT = {"int8": dict(bits=8, block_size=None), "int4": dict(bits=4, block_size=32)}
+ENGINE_QUANT: dict[str, dict[str, Any]] = {"int8": dict(bits=8, block_size=None), "int4": dict(bits=4, block_size=32)}
 # int4 scale candidates, as multiples of a block's largest magnitude (quantize_symmetric); 1/7 among them
 SCALE_SEARCH = tuple(sorted({*np.linspace(1 / 8, 1 / 6, 17).tolist(), 1 / 7}))
 TIED_HEAD = "lm_head.weight.T"  # the folded transpose of the tied embedding (quantized copy)
@@ -148,7 +149,7 @@ def _save_checked(model: onnx.ModelProto, onnx_out: Path, external: bool, what: 
     """Write `model` to `onnx_out` atomically (weights to `<onnx_out>.data` when `external`), checked by
     onnx's checker first: a wrong quantization or fold says what broke instead of landing."""
     with staging(onnx_out.parent) as tmp:
-        kw = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
+        kw: dict[str, Any] = dict(save_as_external_data=True, location=onnx_out.name + ".data") if external else {}
         onnx.save(model, str(tmp / onnx_out.name), **kw)
         try:
             onnx.checker.check_model(str(tmp / onnx_out.name))
@@ -234,14 +235,16 @@ def quantize_symmetric(w: np.ndarray, bits: int, block: int | None) -> tuple[np.
     groups = (w.reshape(K // block, block, N) if block else w.reshape(1, K, N)).astype(np.float32)
     amax = np.abs(groups).max(axis=1, keepdims=True)
     amax = np.where(amax > 0, amax, 1.0)  # an all-zero group still gets a valid (positive) scale
-    best = best_err = None
-    for f in (SCALE_SEARCH if bits == 4 else (1 / qmax,)):
+
+    def candidate(f: float) -> tuple[np.ndarray, np.ndarray]:  # (scale, its squared error per group)
         scale = (amax * f).astype(np.float32)
-        err = ((np.clip(np.rint(groups / scale), qmin, qmax) * scale - groups) ** 2).sum(axis=1, keepdims=True)
-        if best is None:
-            best, best_err = scale, err
-        else:
-            best, best_err = np.where(err < best_err, scale, best), np.minimum(err, best_err)
+        return scale, ((np.clip(np.rint(groups / scale), qmin, qmax) * scale - groups) ** 2).sum(axis=1, keepdims=True)
+
+    first, *others = SCALE_SEARCH if bits == 4 else (1 / qmax,)
+    best, best_err = candidate(first)
+    for f in others:
+        scale, err = candidate(f)
+        best, best_err = np.where(err < best_err, scale, best), np.minimum(err, best_err)
     q = np.clip(np.rint(groups / best), qmin, qmax).reshape(K, N)
     scale = best[:, 0, :]
     return q, (scale if block else scale[0])

@@ -72,7 +72,8 @@ def load_checkpoint(path: str | Path, config: ModelConfig | None = None) -> Andr
     """
     path = Path(path)
     files, hf_json = resolve_checkpoint(path)
-    tensors, meta = {}, {}
+    tensors: dict[str, torch.Tensor] = {}
+    meta: dict[str, str] = {}
     for f in files:
         t, meta = _read_tensors(f)
         if twice := sorted(set(t) & set(tensors)):

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
-from typing import ContextManager, TypeGuard, cast
+from typing import TYPE_CHECKING, ContextManager, TypeGuard, cast
 
 import numpy as np
 
@@ -36,6 +36,9 @@ from ..config import ModelConfig
 from ..errors import InputError
 from ..graphs.layout import KVLayout
 from .sampling import Sampling, next_token
+
+if TYPE_CHECKING:
+    from .ort import SlotCache
 
 PAD_ID = 0  # what padded positions hold; masked out, so any valid id would do
 
@@ -128,6 +131,12 @@ class Session(abc.ABC):
 
     def close(self) -> None:
         """Release device memory and handles (ONNX Runtime frees on garbage collection; TensorRT frees here)."""
+
+    def slot_cache(self, slots: int) -> SlotCache:
+        """`slots` sequences' cache for in-flight batching (runtime/batcher.py), which only ONNX Runtime's sessions
+        of the in-place decoder have (ort.py); any other session refuses here, by name."""
+        raise InputError(f"{self.source}: in-flight batching needs an ONNX Runtime session of the in-place decoder "
+                         f"(this is a {self.backend} session)")
 
     @abc.abstractmethod
     def _steps(self, capacity: int | None = None) -> ContextManager[Steps]:

@@ -187,7 +187,7 @@ class Batcher:
         decoding = [i for i, s in enumerate(self.slots) if s is not None and s.last is not None]
         if prefilling:
             joining = min(prefilling)[1]
-            s = self.slots[joining]
+            s = self._held(joining)
             n = self.prefill_chunk
             if decoding and self.step_tokens is not None:  # a budget for the step: the decoding rows first
                 n = min(n, max(self.step_tokens - len(decoding), MIN_CHUNK))
@@ -199,30 +199,33 @@ class Batcher:
             ids = np.full((rows, 1), PAD_ID, dtype=np.int64)
             held = np.ones(rows, dtype=np.int64)
             for i in range(rows):
-                s = self.slots[i]
-                held[i] = (s.held if s is not None else 0) + 1
-                if i in decoding:
-                    ids[i, 0] = s.last
+                slot = self.slots[i]
+                held[i] = (slot.held if slot is not None else 0) + 1
+                if slot is not None and slot.last is not None:  # decoding (as `decoding` reads it)
+                    ids[i, 0] = slot.last
             if joining is not None and joining < rows:  # its pad goes where its chunk neither writes nor reads
                 held[joining] = self.cache.layout.n_positions
             group = (0, ids, held)
-        if group is None and chunk is None:
-            return
+        logits: np.ndarray | None
+        chunk_logits: np.ndarray | None
         if group is None:
+            if chunk is None:
+                return
             logits, chunk_logits = None, self.cache.run(chunk)[0]
         else:
             logits, chunk_logits = self.cache.run(group, chunk)
         if chunk is not None:
-            s = self.slots[joining]
+            assert joining is not None and chunk_logits is not None  # a chunk is the joining slot's, and has logits
+            s = self._held(joining)
             s.fed = s.held = int(chunk[2][0])
             if s.fed == len(s.row.prompt):
                 self._sample(joining, s, chunk_logits[0, -1])
-        if group is None:
+        if group is None or logits is None:
             return
         self.steps += 1
         self.step_rows.append(len(decoding))
         for i in decoding:
-            s = self.slots[i]
+            s = self._held(i)
             s.held += 1
             self._sample(i, s, logits[i, -1])
 
@@ -236,8 +239,15 @@ class Batcher:
         elif not self._emit(s, Event(tok)):
             self._finish(i, Event(None, True, "cancelled"))
 
+    def _held(self, i: int) -> _Slot:
+        """Slot `i`, which holds a request (the step's bookkeeping says so: a None here is a bug)."""
+        s = self.slots[i]
+        assert s is not None, f"slot {i} is free"
+        return s
+
     def _finish(self, i: int, event: Event) -> None:
-        s, self.slots[i] = self.slots[i], None
+        s = self._held(i)
+        self.slots[i] = None
         self._emit(s, event)
         s.ticket.finished.set()
 

@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -86,7 +87,9 @@ class InplaceRunner(BaseRunner):
     def __init__(self, onnx_path: str | Path, providers: list[str], capacity: int, name: str | None = None):
         super().__init__(name=name or f"onnxrt:{Path(onnx_path).name}")
         self.onnx_path, self.providers, self.capacity = onnx_path, providers, capacity
-        self.session = self.steps = None
+        # while active: an OrtSession and the cache steps of the call being compared (Polygraphy activates first)
+        self.session: Any = None
+        self.steps: Any = None
 
     def activate_impl(self):
         from ..graphs.layout import read_decoder

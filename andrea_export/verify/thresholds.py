@@ -7,6 +7,8 @@ and engine checks use numpy.allclose, |artifact - reference| <= atol + rtol * |r
 (tests/verify/test_thresholds.py pins both).
 """
 
+from typing import Any
+
 # Measured against PyTorch float32 on batch 4 x seq 128 (512 tokens). Trained: andrea-tiny trained on
 # the Python docs (demo.py; held-out perplexity 343.8; logit std 2.2, max |logit| 16.3), on random ids
 # and on held-out text. Random: random_init(seed=0) weights (logit std 0.16 tiny / 0.55 120M, max
@@ -70,7 +72,8 @@ and engine checks use numpy.allclose, |artifact - reference| <= atol + rtol * |r
 # (random ids are where the tiny model's next-token distribution is flattest, so top-1 flips most: on
 # held-out text int4 keeps far more); their perplexity bounds are the issue's goals: int8 within 1 %,
 # int4 within 5 % of fp32.
-TOLERANCES = {
+# np.allclose's rtol and atol, handed on as `**TOLERANCES[precision]` (Any: to checks that take other arguments too)
+TOLERANCES: dict[str, dict[str, Any]] = {
     "fp32": dict(rtol=1e-4, atol=1e-4),
     "fp16": dict(rtol=1e-2, atol=3e-2),
     "bf16": dict(rtol=2e-2, atol=4e-1),

@@ -23,7 +23,7 @@ DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our gra
 
 
 def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = None, ort_spin: bool = True) -> list[Backend]:
-    out = []
+    out: list[Backend] = []
     for n in names:
         if n in ("mem-read", "mem-read-int8", "mem-read-int4"):
             out.append(MemReadBackend("fp32" if n == "mem-read" else n.rsplit("-", 1)[1]))

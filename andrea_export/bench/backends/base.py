@@ -4,6 +4,7 @@ threads, exported ONNX files cached per weights fingerprint)."""
 from __future__ import annotations
 
 import hashlib
+import inspect
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -85,7 +86,7 @@ def _exporter_fingerprint() -> str:
 
     h = hashlib.sha256()
     for module in (andrea, export, kvcache, inplace_decoder, layout, quantize, precision):
-        h.update(Path(module.__file__).read_bytes())  # by module, not by file name: a moved file still counts
+        h.update(Path(inspect.getfile(module)).read_bytes())  # by module, not by file name: a moved file still counts
     h.update(torch.__version__.encode())
     return h.hexdigest()[:8]
 
@@ -97,7 +98,7 @@ def default_cache_dir() -> Path:
     return cache_dir("bench")
 
 
-def weights_fingerprint(model: torch.nn.Module) -> str:
+def weights_fingerprint(model: Andrea) -> str:
     """sha256 (16 hex digits) of the config and every tensor of the state dict: names the cached exports."""
     h = hashlib.sha256(json.dumps(model.cfg.to_dict(), sort_keys=True).encode())
     for name, t in sorted(model.state_dict().items()):

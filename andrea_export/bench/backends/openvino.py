@@ -43,7 +43,9 @@ def int4_group(cfg) -> int:
     """NNCF's int4 group: our MatMulNBits block (128 where n_embd allows; andrea-tiny: 64)."""
     from ...graphs.quantize import block_for
 
-    return block_for(cfg.n_embd, "int4")
+    block = block_for(cfg.n_embd, "int4")
+    assert block is not None, "quantize.check_model_shape refuses a width no int4 block divides"
+    return block
 
 
 def export_with_optimum_intel(model, out: str | Path, mode: str) -> Path:

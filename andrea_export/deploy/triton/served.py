@@ -130,6 +130,7 @@ class TritonPythonModel:
         self.batcher.stop(drain=True)
 
     def _encode(self, text: str) -> list[int]:
+        assert self.tokenizer is not None  # handed out only with a tokenizer
         return self.tokenizer.encode(text).ids
 
     def _responder(self, sender, stream: bool):
