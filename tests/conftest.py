@@ -126,6 +126,7 @@ HEAVY_FIXTURES = {  # (the file that defines it, its name): fixtures that build 
     ("tests/deploy/test_triton.py", "real_build"),
     ("tests/verify/test_verify_openvino.py", "folder"),
     ("tests/model/test_text.py", "split"),  # the whole corpus, read and split
+    ("tests/bench/test_bench.py", "fp16_decoder"),  # a decoder export and its fp16 conversion
 }
 HEAVY_FILES = {  # real Triton servers, and the peer runtimes' own exports (OpenVINO, CTranslate2, Optimum)
     "tests/deploy/test_serve.py", "tests/bench/test_bench_serve.py", "tests/bench/test_bench_cpu_peers.py",
@@ -145,6 +146,10 @@ HEAVY_TESTS = {  # node ids without their parameters
     "tests/test_careless_inputs.py::test_out_on_a_read_only_or_full_file_system",
     "tests/bench/test_bench.py::test_cli_spin_reaches_every_ort_backend",
     "tests/verify/test_verify_openvino.py::test_a_cpu_without_bf16_verifies_openvino_in_f32_not_unverified",
+    # a build killed in a subprocess, and the GPU host's scripts run whole in subprocesses
+    "tests/test_crash_safety.py::test_kill_9_mid_build_then_a_rerun_cleans_up",
+    "tests/plugin/test_gpu_scripts.py::test_gpu_checks_on_a_bare_host",
+    "tests/plugin/test_gpu_scripts.py::test_kernel_lab_builds",
 }
 
 
