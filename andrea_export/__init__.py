@@ -111,11 +111,14 @@ MOVED = {
     "external_data": ["graphs.external_data"],
     "passes": ["graphs.gelu_plugin"],
     "passes.gelu_plugin": ["graphs.gelu_plugin"],
-    "build": ["engine.builder", "engine.builders", "engine.profiles", "engine.compat", "engine.log", "engine.refit"],
+    "build": ["engine.builder", "engine.backends", "engine.profiles", "engine.compat", "engine.log", "engine.refit"],
     "triton": ["deploy.triton", "deploy.triton.common", "deploy.triton.stateless"],
     "triton_decoder": ["deploy.triton.stateful"],
     "genai": ["deploy.genai"],
     "runtime.agreement": ["verify.agreement"],
+    "engine.builders": ["engine.backends"],
+    "deploy.serve": ["deploy.server"],
+    "bench.serve": ["bench.load"],
 }
 
 

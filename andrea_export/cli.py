@@ -203,7 +203,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
     """
     if target.is_dir():
         from .pipeline import print_build_summary, verify_build
-        from .verify.compare import VerifyReport, print_summary
+        from .verify.report import VerifyReport, print_summary
 
         manifest = verify_build(target, checkpoint, shapes, greedy_steps)
         print_summary(VerifyReport.load(target / "verify.json"))
@@ -211,8 +211,9 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
         sys.exit(1 if manifest["status"] == "failed" else 0)
 
     from .config import load_config
-    from .verify.compare import print_summary, reference_model_for
     from .verify.compare import verify as run_verify
+    from .verify.reference import reference_model_for
+    from .verify.report import print_summary
 
     model = reference_model_for(target, checkpoint, load_config(config) if config else None)
     result = run_verify(model, {"onnxrt": target}, shapes=shapes, greedy_steps=greedy_steps)
@@ -519,7 +520,7 @@ def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_o
     import signal
     import threading
 
-    from .deploy.serve import start
+    from .deploy.server import start
     from .progress import console, step
 
     with step(f"Starting Triton Inference Server on {build_dir} (waiting for the model to be READY)"):
@@ -643,7 +644,7 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
     from .bench import report as bench_report
 
     if serve_builds:
-        from .bench.serve import run_serve_benchmark
+        from .bench.load import run_serve_benchmark
 
         builds = dict(spec.split("=", 1) if "=" in spec else (Path(spec).name, spec) for spec in serve_builds)
         try:

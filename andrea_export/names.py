@@ -24,4 +24,4 @@ EVAL_TEXT_FILE = "eval.txt"  # a build folder's evaluation text (build --eval-te
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")  # every weight and activation in that type (graphs/precision.py)
 WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights (graphs/quantize.py; Q/DQ for the engines)
 PRECISIONS = (*FLOAT_PRECISIONS, *WEIGHT_ONLY)
-BUILDERS = ("tensorrt", "tensorrt-rtx")  # engine builders (engine/builders.py)
+BUILDERS = ("tensorrt", "tensorrt-rtx")  # engine builders (engine/backends.py)

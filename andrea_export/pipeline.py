@@ -172,7 +172,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
     Raises AndreaExportError for bad input before any heavy step; a verification failure is not an
     exception: the manifest's status says "failed" (and the CLI exits 1)."""
-    from .engine.builders import resolve_builder
+    from .engine.backends import resolve_builder
     from .engine.compat import check_targets
 
     opts = opts.check()  # every option, before anything is loaded or built
@@ -228,11 +228,11 @@ def _check_engine_gate_dependencies() -> None:
 def _check_for_model(opts: BuildOptions, cfg) -> tuple[list, tuple | None]:
     """The options that depend on the model, against its config: the optimization profiles and the
     evaluation text's (windows, description) or None (returned), the verification shapes and greedy steps."""
-    from .engine.profiles import Profiles, parse_profiles
+    from .engine.profiles import Profile, parse_profiles
     from .graphs.quantize import check_model_shape
-    from .verify.compare import check_inputs
+    from .verify.inputs import check_inputs
 
-    base = Profiles.for_model(cfg)
+    base = Profile.for_model(cfg)
     profiles = parse_profiles(opts.profiles, base) if opts.profiles else [base]
     for p in profiles:
         p.check(cfg.n_positions).check_tensor_sizes(cfg)
@@ -455,7 +455,7 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
     from .config import ModelConfig
     from .graphs.external_data import check_folder_weights
     from .model.checkpoint import model_for
-    from .verify.compare import check_inputs
+    from .verify.inputs import check_inputs
     from .verify.folder import build_status, verification_record, verify_folder
 
     folder = Path(folder)

@@ -193,7 +193,9 @@ def test_a_runtime_import_pulls_in_no_other_stage():
 @pytest.mark.parametrize("old, name", [("triton", "package"), ("build", "build_engine"), ("build", "sidecar_path"),
                                        ("hf", "write_hf_folder"), ("hf", "read_hf_config"), ("checkpoint", "load_model"),
                                        ("precision", "TOLERANCES"), ("runtime.agreement", "greedy_agreement"),
-                                       ("buildfolder", "read_manifest"), ("triton_decoder", "write_triton_decoder")])
+                                       ("buildfolder", "read_manifest"), ("triton_decoder", "write_triton_decoder"),
+                                       ("engine.builders", "network_flags"), ("deploy.serve", "start"),
+                                       ("bench.serve", "run_serve_benchmark")])
 def test_modules_of_the_flat_layout_still_import_with_a_warning(old, name):
     import importlib
     import sys

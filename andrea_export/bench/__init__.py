@@ -39,6 +39,7 @@ The package, each part readable on its own:
     goals.py     the goals, reported never asserted
     run.py       run_benchmark: one run from cases to the result document
     report.py    the result document's schema: JSON, CSV, Markdown, plots, compare
+    load.py      the served model under load (`bench --serve`): the real Triton server, streaming clients
 """
 
 from __future__ import annotations

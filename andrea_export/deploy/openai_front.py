@@ -31,7 +31,7 @@ class FrontError(Exception):
 
 
 def start_front(server, host: str, port: int, tokenizer=None) -> ThreadingHTTPServer:
-    """Serve the front on host:port in a daemon thread; `server` is the running deploy.serve.Server."""
+    """Serve the front on host:port in a daemon thread; `server` is the running deploy.server.Server."""
     httpd = ThreadingHTTPServer((host, port), _handler(server, tokenizer))
     httpd.daemon_threads = True
     threading.Thread(target=httpd.serve_forever, name="andrea-openai-front", daemon=True).start()

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import onnx
+from onnx import ModelProto  # BuildJob's field `onnx` hides the module inside the class
 
 from ..config import ModelConfig
 from ..errors import BuildError, ConfigError, ExportError, gpu_compute_capability, require
@@ -38,7 +39,7 @@ from ..graphs.external_data import external_data_files
 from ..names import CONFIG_KEY, INPUT_IDS, PRECISION_KEY
 from ..progress import console, warn
 from ..userfiles import MAX_JSON_BYTES, read_json
-from .builders import BUILDER_NAMES, network_flags, resolve_builder, trt_module
+from .backends import BUILDER_NAMES, network_flags, resolve_builder, trt_module
 from .compat import build_targets, check_engine_compat, check_precision
 from .log import ctrl_c_cancels, expected_warning, layer_report, make_logger, progress_monitor
 from .profiles import Profile
@@ -161,7 +162,7 @@ class _Job:
     plan: Path
     builder: str
     trt: Any  # the tensorrt or tensorrt_rtx module
-    graph: onnx.ModelProto
+    graph: ModelProto
     profiles: list[tuple[dict, dict]]  # (shapes of every input, the profile as the sidecar records it)
     opt_level: int
     workspace_mb: int | None
@@ -332,7 +333,7 @@ def _write_outputs(result: BuildResult, serialized, report: dict | None, cache) 
     any failure the ones already written are removed, so no plan is left without its sidecar."""
     written: list[Path] = []
     try:
-        if cache is not None:
+        if cache is not None and result.timing_cache is not None:
             _save_timing_cache(cache, result.timing_cache, result.builder, result.builder_version)
         if report is not None:
             result.layer_report = write_text_atomic(layer_report_path(result.plan), json.dumps(report, indent=1))

@@ -9,7 +9,7 @@ from typing import Sequence
 
 from ..errors import BuildError, ConfigError, gpu_compute_capability
 from ..folder.atomic import sha256_file
-from .builders import BUILDER_MODULES, BUILDER_NAMES, trt_module
+from .backends import BUILDER_MODULES, BUILDER_NAMES, trt_module
 from .log import make_logger
 
 # TensorRT-RTX's own default targets, documented: "an engine built by TensorRT-RTX can be run on GPU

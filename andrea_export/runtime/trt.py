@@ -140,7 +140,7 @@ def _gpu_compute_capability(cudart) -> str | None:
 
 def _installed(trt) -> tuple[str, str]:
     """(builder, version) of the TensorRT module the session runs: ("tensorrt", "10.13.3.9"), ("tensorrt-rtx", ...)."""
-    from ..engine.builders import BUILDER_MODULES
+    from ..engine.backends import BUILDER_MODULES
 
     name = getattr(trt, "__name__", "tensorrt")
     builder = next((b for b, (module, _) in BUILDER_MODULES.items() if module == name), "tensorrt")
@@ -153,7 +153,7 @@ def _check_built_for_here(trt, cudart, engine_path: Path, info: dict) -> None:
     one built for another GPU architecture (not portable across them without hardware compatibility, which these
     builds do not use), and says why only in its log. InputError naming what differs; nothing when the sidecar does
     not say. TensorRT-RTX's several targets, and its JIT, are left to TensorRT-RTX."""
-    from ..engine.builders import BUILDER_MODULES, BUILDER_NAMES
+    from ..engine.backends import BUILDER_MODULES, BUILDER_NAMES
     from ..engine.refit import sidecar_path
 
     here, version = _installed(trt)
@@ -176,7 +176,7 @@ def _check_built_for_here(trt, cudart, engine_path: Path, info: dict) -> None:
 def _not_deserialized(trt, cudart, engine_path: Path, info: dict) -> str:
     """Why TensorRT most likely returned no engine, from what the sidecar records against this process (the last
     resort: _check_built_for_here found nothing, or there is no sidecar). TensorRT's own reason is only in its log."""
-    from ..engine.builders import BUILDER_NAMES
+    from ..engine.backends import BUILDER_NAMES
     from ..engine.refit import sidecar_path
     from ..folder.atomic import sha256_file
     from ..plugin import GELU_BIAS_OP, GELU_OP, PLUGIN_NAMESPACE, PLUGIN_VERSION
@@ -194,7 +194,7 @@ def _not_deserialized(trt, cudart, engine_path: Path, info: dict) -> str:
                 "needs none). Rebuild it here")
     builder, ccs = info.get("builder"), [str(t) for t in info.get("compute_capabilities") or []]
     targets = ", ".join(ccs) or "?"
-    built = f"{BUILDER_NAMES.get(builder, builder)} {info.get('builder_version')}, compute capability {targets}"
+    built = f"{BUILDER_NAMES.get(builder or '?', builder)} {info.get('builder_version')}, compute capability {targets}"
     checked = builder == here and cc is not None and cc in ccs
     about = (f"What built it ({side}: {built}) matches this process ({name}, compute capability {cc})" if checked
              else f"It was built by {built} ({side} says); this process has {name}, compute capability {cc or 'unknown'}")

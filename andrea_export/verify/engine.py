@@ -24,7 +24,7 @@ def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: s
     from ..graphs.layout import read_decoder
     from ..runtime.trt import TrtSession
     from .agreement import greedy_agreement
-    from .compare import lm_metrics
+    from .metrics import lm_metrics
     from .thresholds import MAX_KL, TOLERANCES
 
     graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
@@ -94,7 +94,7 @@ def engine_runner(plan: Path, info: dict):
     from polygraphy.backend.common import BytesFromPath
     from polygraphy.backend.trt import EngineFromBytes, TrtRunner
 
-    from ..engine.builders import trt_module
+    from ..engine.backends import trt_module
     from ..engine.refit import refit_stripped
 
     def engine():  # a weight-stripped engine gets its weights back from the ONNX beside it

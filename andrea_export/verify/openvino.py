@@ -72,7 +72,7 @@ def decoder_steps_check(model, session, prompts, steps: int = 16, seed: int = 0,
     logits at the tolerances and next-token thresholds (top-1 beyond ties, max KL) of `thresholds`."""
     import torch
 
-    from .compare import lm_metrics, lm_passed, lm_thresholds
+    from .metrics import lm_metrics, lm_passed, lm_thresholds
     from .thresholds import TOLERANCES
 
     rng = np.random.default_rng(seed)

@@ -1,4 +1,4 @@
-"""`bench --serve` (bench/serve.py) on the lively build, with our own client: every level streams its tokens
+"""`bench --serve` (bench/load.py) on the lively build, with our own client: every level streams its tokens
 without an error, the ratios and goals are computed from the runs, and the report files are written."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from andrea_export.bench import serve as bench_serve
-from andrea_export.deploy import serve as serve_module
+from andrea_export.bench import load as bench_serve
+from andrea_export.deploy import server as serve_module
 
 
 def test_the_serve_benchmark_runs_levels_and_modes_and_writes_its_report(lively_build, tmp_path):

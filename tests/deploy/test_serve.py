@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from andrea_export import runtime
-from andrea_export.deploy import serve as serve_module
+from andrea_export.deploy import server as serve_module
 
 
 def _serving_env():
@@ -297,7 +297,7 @@ def test_the_serve_command_prints_its_endpoints_and_exits_0_on_sigterm(long_buil
     import sys
 
     _serving_env()
-    from andrea_export.deploy.serve import free_port
+    from andrea_export.deploy.server import free_port
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "andrea_export", "serve", str(long_build), "--port", str(port),

@@ -13,7 +13,7 @@ import torch
 
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
 from andrea_export.engine.builder import build_engine, layer_report_path
-from andrea_export.engine.builders import resolve_builder, trt_module
+from andrea_export.engine.backends import resolve_builder, trt_module
 from andrea_export.engine.compat import check_engine_compat
 from andrea_export.engine.profiles import Bounds, Profile, Profiles, parse_profiles
 from andrea_export.engine.refit import sidecar_path

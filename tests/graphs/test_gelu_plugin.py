@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
-from andrea_export.engine.builders import network_flags
+from andrea_export.engine.backends import network_flags
 from andrea_export.errors import PluginError
 from andrea_export.graphs.export import export_onnx, op_counts
 from andrea_export.graphs.gelu_plugin import PLUGIN_KEY, apply_gelu_plugin

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from andrea_export.config import ANDREA_120M, ANDREA_TINY
-from andrea_export.engine.builders import network_flags
+from andrea_export.engine.backends import network_flags
 from andrea_export.errors import ExportError, installed
 from andrea_export.graphs.kvcache import export_decoder_onnx, optimization_profiles
 from andrea_export.graphs.layout import KVLayout, check_decoder_onnx, kv_layout, read_config, read_kv_layout

@@ -40,7 +40,7 @@ def _build_engine(onnx_path, plan_path):
     """decoder.plan from a decoder graph with TensorRT: strongly typed (the graph's precision), both profiles."""
     import tensorrt as trt
 
-    from andrea_export.engine.builders import network_flags
+    from andrea_export.engine.backends import network_flags
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)

@@ -1,4 +1,4 @@
-"""The served model under load (`andrea-export bench --serve BUILD`): the real Triton server of deploy/serve.py,
+"""The served model under load (`andrea-export bench --serve BUILD`): the real Triton server of deploy/server.py,
 streaming clients at several concurrencies, in-flight batching against one request at a time and against
 batching of whole requests.
 
@@ -61,7 +61,7 @@ def stream_one(host: str, port: int, model: str, prompt: list[int], max_tokens: 
         resp = conn.getresponse()
         if resp.status != 200:
             return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}", "times": []}
-        times = []
+        times: list[float] = []
         for line in resp:
             if line.startswith(b"data: "):
                 doc = json.loads(line[6:])
@@ -241,7 +241,7 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
     into `out` when given; returns the document."""
     import tempfile
 
-    from ..deploy.serve import start
+    from ..deploy.server import start
     from .machine import environment
 
     aiperf = find_aiperf() if load in ("auto", "aiperf") else None

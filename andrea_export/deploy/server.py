@@ -1,7 +1,7 @@
 """`andrea-export serve BUILD`: a real Triton Inference Server on a build folder, its generate model batching in
 flight and streaming tokens (deploy/triton/served.py), with an OpenAI-compatible front (openai_front.py).
 
-    from andrea_export.deploy.serve import start
+    from andrea_export.deploy.server import start
     with start("out/andrea-120m-fp32", http_port=8000) as server:    # waits until the model is READY
         print(server.endpoints())
 
@@ -29,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 from ..errors import AndreaExportError
 
@@ -85,7 +86,7 @@ class Server:
 
     def __init__(self, process, workspace: Path, model: str, host: str, ports: dict, log: Path):
         self.process, self.workspace, self.model, self.host, self.ports, self.log = process, workspace, model, host, ports, log
-        self.front = None
+        self.front: Any = None  # openai_front's HTTP server, when started
 
     def url(self, kind: str = "http") -> str:
         return f"http://{self.host}:{self.ports[kind]}" if kind != "grpc" else f"{self.host}:{self.ports['grpc']}"
