@@ -43,7 +43,7 @@ def _user_errors(fn):
 
 
 def _stdout_is_terminal() -> bool:
-    return click.get_text_stream("stdout").isatty()
+    return sys.stdout.isatty()  # click.get_text_stream is deprecated (Click 8.5) and wraps this stream
 
 
 # Where a user's path cannot be written or read as asked: said in one line, not a traceback.
@@ -205,8 +205,10 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
         from .pipeline import print_build_summary, verify_build
         from .verify.report import VerifyReport, print_summary
 
+        from .catalog import Artifacts, Role
+
         manifest = verify_build(target, checkpoint, shapes, greedy_steps)
-        print_summary(VerifyReport.load(target / "verify.json"))
+        print_summary(VerifyReport.load(Artifacts.of_manifest(target, manifest).path(Role.VERIFY_REPORT)))
         print_build_summary(manifest, target)
         sys.exit(1 if manifest["status"] == "failed" else 0)
 

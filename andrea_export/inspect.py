@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .catalog import Role
 from .errors import AndreaExportError
 
 
@@ -47,9 +48,9 @@ def _decoder_profiles(folder: Path, m: dict) -> dict | None:
     """The decoder engine's profiles (prefill, decode), from its sidecar; None without a decoder engine."""
     from .folder.reader import read_engine_info
 
-    if "decoder_engine_info" not in m["artifacts"]:
+    if Role.DECODER_ENGINE_INFO not in m["artifacts"]:
         return None
-    profiles = read_engine_info(folder / m["artifacts"]["decoder_engine_info"]["path"]).get("profiles") or []
+    profiles = read_engine_info(folder / m["artifacts"][Role.DECODER_ENGINE_INFO]["path"]).get("profiles") or []
     return {p.get("name", str(i)): {t: f"min {s['min']} opt {s['opt']} max {s['max']}" for t, s in p["shapes"].items()}
             for i, p in enumerate(profiles) if isinstance(p, dict) and isinstance(p.get("shapes"), dict)}
 

@@ -20,15 +20,17 @@ import tomllib
 from pathlib import Path
 
 from . import __version__
+from .catalog import ENGINES, SIDECARS, TABLE, Artifacts, Role, decoder_graph, engine_source, plugin_source, weights_role
 from .config import PRESETS, load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
 from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
-from .names import EVAL_TEXT_FILE, INPUT_IDS, TOKENIZER_FILE, WEIGHTS_FILE
+from .names import INPUT_IDS
 from .progress import console, step, styled, warn
 from .userfiles import MAX_CONFIG_BYTES, read_text
 
-FILE_OF = {"tokenizer": TOKENIZER_FILE, "eval_text": EVAL_TEXT_FILE}  # fixed names: a manifest never picks a path
+# the options whose files the folder keeps a copy of, by the table's fixed names (a manifest never picks a path)
+COPIED = {"tokenizer": Role.TOKENIZER, "eval_text": Role.EVAL_TEXT}
 MAX_WORKSPACE_MB = 1 << 20  # 1 TiB: more than any GPU has, and what TensorRT's size_t takes without overflow
 PATH_OPTIONS = ("config", "checkpoint", "tokenizer", "eval_text", "timing_cache", "out")  # files a build reads or writes
 
@@ -140,7 +142,7 @@ class BuildOptions:
         values = dataclasses.asdict(self)
         if folder is not None:
             base = Path(folder).resolve()
-            values.update({"out": "."} | {k: FILE_OF[k] for k in FILE_OF if values[k] is not None})
+            values.update({"out": "."} | {k: TABLE[r].file_name(self.precision) for k, r in COPIED.items() if values[k] is not None})
             for k in ("checkpoint", "config", "timing_cache"):
                 if values[k] is not None and not (k == "config" and values[k] in PRESETS):
                     target = Path(values[k]).resolve()
@@ -284,37 +286,31 @@ def _claim(out: Path, opts: BuildOptions, force: bool) -> set[str]:
     return {a["path"] for a in previous["artifacts"].values()}
 
 
-def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path, evaluation) -> dict:
-    from .engine.builder import build_engine
-    from .verify.folder import build_status, verification_record, verify_folder
+def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timing_cache: Path | None, evaluation) -> dict:
+    """Every stage into the staging folder `tmp`, in order; returns the manifest (artifacts by role -> name)."""
+    from .graphs.kvcache import optimization_profiles
+    from .verify.folder import verify_folder
+
+    made = Artifacts(tmp, opts.precision)
+    plugin_report = _export_graphs(made, model, opts, builder)
+    if opts.decoder:
+        _export_decoders(made, model, opts, builder)
+    _share_weights(made)
+    _copy_text_files(made, opts, model.cfg)
+    result = _build_engine(made, Role.ENGINE, opts, builder, profiles, timing_cache)
+    if opts.decoder:  # two optimization profiles: prefill (no past) and decode (one token)
+        _build_engine(made, Role.DECODER_ENGINE, opts, builder, optimization_profiles(model.cfg), timing_cache)
+    report = verify_folder(tmp, model, opts.precision, made, result.to_dict(), opts.verify_shapes,
+                           opts.greedy_steps, evaluation)
+    made.add(Role.VERIFY_REPORT, report.save(tmp / TABLE[Role.VERIFY_REPORT].file_name(opts.precision)))
+    return _manifest(opts, model, builder, profiles, made, result, plugin_report, report)
+
+
+def _manifest(opts, model, builder: str, profiles, made: Artifacts, result, plugin_report, report) -> dict:
+    from .verify.folder import build_status, verification_record
 
     cfg = model.cfg
-    artifacts: dict[str, str] = {}
-    plugin_report = _export_graphs(tmp, model, opts, builder, artifacts)
-    _share_weights(tmp, opts.precision, artifacts)
-    if opts.tokenizer:  # the folder carries it: `generate --prompt` encodes; genai and transformers load it
-        from .model.text import write_tokenizer_files
-
-        artifacts.update(zip(("tokenizer", "tokenizer_config"), write_tokenizer_files(opts.tokenizer, tmp, cfg.n_positions)))
-    if opts.eval_text:  # `verify BUILD` re-measures the perplexity on it
-        shutil.copyfile(opts.eval_text, tmp / FILE_OF["eval_text"])
-        artifacts["eval_text"] = FILE_OF["eval_text"]
-
-    source = tmp / engine_sources(artifacts, builder)["engine"]
-    result = build_engine(source, tmp / "model.plan", builder=builder, profiles=profiles, opt_level=opts.opt_level,
-                          workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
-                          compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)
-    artifacts["engine"] = "model.plan"
-    for role, path in (("engine_info", result.sidecar), ("layer_report", result.layer_report)):
-        if path is not None and Path(path).is_file():
-            artifacts[role] = Path(path).name
-
-    if opts.decoder:
-        _build_decoder_engine(tmp, model, opts, builder, artifacts, timing_cache)
-    report = verify_folder(tmp, model, opts.precision, artifacts, result.to_dict(), opts.verify_shapes,
-                           opts.greedy_steps, evaluation)
-    report.save(tmp / "verify.json")
-    artifacts["verify_report"] = "verify.json"
+    source = made.path(engine_source(Role.ENGINE, builder, opts.precision))
     return {
         "schema_version": SCHEMA_VERSION,
         "tool": {"name": "andrea-export", "version": __version__},
@@ -335,118 +331,137 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
         "verification": verification_record(report),
         "environment": _environment(),
         "options": dataclasses.asdict(opts),
-        "artifacts": artifacts,
+        "artifacts": {role.value: name for role, name in made.items()},
     }
 
 
-def engine_sources(artifacts: dict, builder: str) -> dict[str, str]:
-    """The graph each engine is built from. TensorRT builds the plugin graphs (our kernel in the engine);
-    TensorRT-RTX, which has no plugin layers, the standard ones (native GELU); weight-only precisions give
-    both their Q/DQ form (TensorRT imports no MatMulNBits)."""
-    if builder == "tensorrt":
-        out = {"engine": artifacts["onnx_plugin"], "decoder_engine": artifacts.get("decoder_onnx_plugin")}
-    else:
-        out = {"engine": artifacts.get("onnx_qdq", artifacts["onnx"]),
-               "decoder_engine": artifacts.get("decoder_onnx_qdq", artifacts.get("decoder_onnx"))}
-    return {role: name for role, name in out.items() if name}
+def engine_sources(artifacts, builder: str, precision: str) -> dict[str, str]:
+    """The graph file each engine of `artifacts` (role -> name) is built from (catalog.engine_source)."""
+    return {engine.value: artifacts[engine_source(engine, builder, precision)] for engine in ENGINES
+            if engine_source(engine, builder, precision) in artifacts}
 
 
-def _export_graphs(tmp: Path, model, opts, builder: str, artifacts: dict):
-    """Every ONNX graph of the build: the standard graph (and its fp32 source), the plugin graph, and the
-    KV-cache decoder (in the build's precision; its plugin graph for TensorRT). Returns the plugin report."""
+def _export_graphs(made: Artifacts, model, opts, builder: str):
+    """The standard graph (and its fp32 source, and the Q/DQ form of a weight-only build) and the plugin graph
+    made from the engine's graph. Returns the plugin report."""
     from .graphs.export import export_onnx
     from .graphs.gelu_plugin import apply_gelu_plugin
     from .graphs.precision import convert_precision
     from .graphs.quantize import write_qdq
     from .names import WEIGHT_ONLY
 
-    weight_only = opts.precision in WEIGHT_ONLY
-    what = ("weights to ONNX Runtime's MatMulNBits (weight-only; the embedding lookup stays float32)" if weight_only
-            else f"graph to {opts.precision} (LayerNorm and softmax stay float32)")
-    export_onnx(model, tmp / "model.onnx")
-    standard = tmp / "model.onnx"
-    if opts.precision != "fp32":
+    p = opts.precision
+    what = ("weights to ONNX Runtime's MatMulNBits (weight-only; the embedding lookup stays float32)" if p in WEIGHT_ONLY
+            else f"graph to {p} (LayerNorm and softmax stay float32)")
+    fp32 = _name(made, Role.ONNX_FP32 if p != "fp32" else Role.ONNX)
+    export_onnx(model, fp32)
+    if p != "fp32":
+        made.add(Role.ONNX_FP32, fp32)
         with step(f"Converting the {what}"):
-            standard = convert_precision(tmp / "model.onnx", tmp / f"model.{opts.precision}.onnx", opts.precision)
-        artifacts["onnx_fp32"] = "model.onnx"
-    artifacts["onnx"] = standard.name
-    for_engine = standard
-    if weight_only:  # TensorRT imports no MatMulNBits: its graphs quantize the fp32 weights as DequantizeLinear
-        for_engine = write_qdq(tmp / "model.onnx", tmp / f"model.{opts.precision}.qdq.onnx", opts.precision)
-        artifacts["onnx_qdq"] = for_engine.name
+            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p))
+    else:
+        made.add(Role.ONNX, fp32)
+    if p in WEIGHT_ONLY:  # TensorRT imports no MatMulNBits: its graphs quantize the fp32 weights as DequantizeLinear
+        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p))
     with step("Handing every tanh-GELU to the plugin (graph pass)"):
-        plugin_report = apply_gelu_plugin(for_engine, tmp / for_engine.name.replace(".onnx", ".plugin.onnx"),
+        plugin_report = apply_gelu_plugin(made.path(plugin_source(Role.ONNX_PLUGIN, p)), _name(made, Role.ONNX_PLUGIN),
                                           fuse_bias=opts.fuse_bias)
-    artifacts["onnx_plugin"] = plugin_report.path.name
+    made.add(Role.ONNX_PLUGIN, _name(made, Role.ONNX_PLUGIN))
     console.print(f"  {plugin_report.summary()}")
-    if opts.decoder:
-        from .deploy.genai import write_genai_config
-        from .graphs.kvcache import export_decoder_onnx
-
-        with step("Exporting the KV-cache decoder graph"):
-            decoder = export_decoder_onnx(model, tmp / "decoder.onnx", quiet=True)
-        if opts.precision != "fp32":
-            artifacts["decoder_onnx_fp32"] = decoder.name
-            decoder = convert_precision(decoder, tmp / f"decoder.{opts.precision}.onnx", opts.precision)
-        artifacts["decoder_onnx"] = decoder.name
-        for_genai = decoder
-        if opts.precision != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
-            for_genai = _export_inplace_decoder(tmp, model, opts.precision, artifacts)
-        artifacts["genai_config"] = write_genai_config(for_genai).name  # onnxruntime_genai.Model(build_dir) runs it
-        if weight_only:
-            decoder = write_qdq(tmp / artifacts["decoder_onnx_fp32"], tmp / f"decoder.{opts.precision}.qdq.onnx",
-                                opts.precision)
-            artifacts["decoder_onnx_qdq"] = decoder.name
-        if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
-            artifacts["decoder_onnx_plugin"] = apply_gelu_plugin(
-                decoder, tmp / decoder.name.replace(".onnx", ".plugin.onnx"), fuse_bias=opts.fuse_bias).path.name
     return plugin_report
 
 
-def _export_inplace_decoder(tmp: Path, model, precision: str, artifacts: dict) -> Path:
-    """The in-place decoder (graphs/inplace_decoder.py) in the build's precision: what ONNX Runtime and
-    onnxruntime-genai run. Its float32 source is not kept (the standard decoder's is, for the engines)."""
+def _export_decoders(made: Artifacts, model, opts, builder: str) -> None:
+    """The KV-cache decoder in the build's precision (and its fp32 source), the in-place decoder ONNX Runtime and
+    onnxruntime-genai run, genai's config, and the decoder engine's Q/DQ and plugin graphs."""
+    from .deploy.genai import write_genai_config
+    from .graphs.gelu_plugin import apply_gelu_plugin
+    from .graphs.kvcache import export_decoder_onnx
+    from .graphs.precision import convert_precision
+    from .graphs.quantize import write_qdq
+    from .names import WEIGHT_ONLY
+
+    p = opts.precision
+    with step("Exporting the KV-cache decoder graph"):
+        fp32 = export_decoder_onnx(model, _name(made, Role.DECODER_ONNX_FP32 if p != "fp32" else Role.DECODER_ONNX),
+                                   quiet=True)
+    if p != "fp32":
+        made.add(Role.DECODER_ONNX_FP32, fp32)
+        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p))
+    else:
+        made.add(Role.DECODER_ONNX, fp32)
+    if p != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
+        _export_inplace_decoder(made, model)
+    made.add(Role.GENAI_CONFIG, write_genai_config(made.path(decoder_graph("onnxruntime", made))))
+    if p in WEIGHT_ONLY:
+        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p))
+    if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
+        apply_gelu_plugin(made.path(plugin_source(Role.DECODER_ONNX_PLUGIN, p)), _name(made, Role.DECODER_ONNX_PLUGIN),
+                          fuse_bias=opts.fuse_bias)
+        made.add(Role.DECODER_ONNX_PLUGIN, _name(made, Role.DECODER_ONNX_PLUGIN))
+
+
+def _name(made: Artifacts, role: Role) -> Path:
+    """Where `role` is to be written in the staging folder: the name the table gives it."""
+    return made.folder / TABLE[role].file_name(made.precision)
+
+
+def _export_inplace_decoder(made: Artifacts, model) -> None:
+    """The in-place decoder (graphs/inplace_decoder.py) in the build's precision. Its float32 source is not kept
+    (the standard decoder's is, for the engines)."""
     from .graphs.inplace_decoder import export_inplace_decoder
     from .graphs.precision import convert_precision
 
     with step("Writing the in-place KV-cache decoder (GroupQueryAttention, for ONNX Runtime)"):
-        graph = export_inplace_decoder(model, tmp / "decoder.inplace.onnx", quiet=True)
-        if precision != "fp32":
-            source, graph = graph, convert_precision(graph, tmp / f"decoder.{precision}.inplace.onnx", precision)
-            source.unlink()
-    artifacts["decoder_onnx_inplace"] = graph.name
-    return graph
+        fp32 = _name(made, Role.DECODER_ONNX_INPLACE).with_name(TABLE[Role.DECODER_ONNX_INPLACE].file_name("fp32"))
+        graph = export_inplace_decoder(model, fp32, quiet=True)
+        if made.precision != "fp32":
+            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision)
+            fp32.unlink()
+    made.add(Role.DECODER_ONNX_INPLACE, graph)
 
 
-def _share_weights(tmp: Path, precision: str, artifacts: dict) -> None:
-    """One weights file per precision, shared by that precision's graphs (the fp32 sources of an
-    fp16/bf16 build are the other precision): a folder holds each weight once, not once per graph."""
+def _share_weights(made: Artifacts) -> None:
+    """One weights file per precision, shared by that precision's graphs (the fp32 sources of a lower-precision
+    build are the other precision): a folder holds each weight once, not once per graph."""
     from .graphs.external_data import share_weights
 
-    by_precision: dict[str, list[Path]] = {}
-    for role, name in artifacts.items():
-        if name.endswith(".onnx"):
-            by_precision.setdefault("fp32" if role.endswith("_fp32") else precision, []).append(tmp / name)
+    by_precision = made.graphs_by_precision()
     with step("Storing the weights once per precision, shared by the graphs"):
-        for p in sorted(by_precision, key=lambda p: p != precision):
-            shared = share_weights(by_precision[p], tmp / WEIGHTS_FILE.format(p))
-            artifacts["weights" if p == precision else f"weights_{p}"] = shared.path.name
+        for p in sorted(by_precision, key=lambda p: p != made.precision):
+            role = weights_role(p, made.precision)
+            shared = share_weights(by_precision[p], _name(made, role))
+            made.add(role, shared.path)
             console.print(f"  {shared.summary()}")
 
 
-def _build_decoder_engine(tmp: Path, model, opts, builder: str, artifacts: dict, timing_cache) -> None:
-    """The decoder's engine with two optimization profiles (prefill: no past; decode: one token)."""
-    from .engine.builder import build_engine
-    from .graphs.kvcache import optimization_profiles
+def _copy_text_files(made: Artifacts, opts, cfg) -> None:
+    """The tokenizer (`generate --prompt` encodes with it; genai and transformers load it) and the evaluation text
+    (`verify BUILD` measures the perplexity on it again), as the folder's own copies."""
+    if opts.tokenizer:
+        from .model.text import write_tokenizer_files
 
-    source = tmp / engine_sources(artifacts, builder)["decoder_engine"]
-    result = build_engine(source, tmp / "decoder.plan", builder=builder, profiles=optimization_profiles(model.cfg),
-                          opt_level=opts.opt_level, workspace_mb=opts.workspace_mb, timing_cache=timing_cache,
-                          compute_capabilities=opts.compute_capabilities, strip_weights=opts.strip_weights)
-    artifacts["decoder_engine"] = "decoder.plan"
-    for role, path in (("decoder_engine_info", result.sidecar), ("decoder_layer_report", result.layer_report)):
+        for role, name in zip((Role.TOKENIZER, Role.TOKENIZER_CONFIG),
+                              write_tokenizer_files(opts.tokenizer, made.folder, cfg.n_positions)):
+            made.add(role, name)
+    if opts.eval_text:
+        shutil.copyfile(opts.eval_text, _name(made, Role.EVAL_TEXT))
+        made.add(Role.EVAL_TEXT, _name(made, Role.EVAL_TEXT))
+
+
+def _build_engine(made: Artifacts, engine: Role, opts, builder: str, profiles, timing_cache):
+    """One engine from the graph the table says it is built from, and its sidecars; returns the build result."""
+    from .engine.builder import build_engine
+
+    result = build_engine(made.path(engine_source(engine, builder, made.precision)), _name(made, engine),
+                          builder=builder, profiles=profiles, opt_level=opts.opt_level, workspace_mb=opts.workspace_mb,
+                          timing_cache=timing_cache, compute_capabilities=opts.compute_capabilities,
+                          strip_weights=opts.strip_weights)
+    made.add(engine, result.plan)
+    for role, path in zip(SIDECARS[engine], (result.sidecar, result.layer_report)):
         if path is not None and Path(path).is_file():
-            artifacts[role] = Path(path).name
+            made.add(role, path)
+    return result
 
 
 def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shapes=None, greedy_steps: int = 32) -> dict:
@@ -468,19 +483,21 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         cfg = ModelConfig.from_dict(m["model"], source=f"{folder / MANIFEST}")
         check_inputs(cfg, shapes, greedy_steps)
         model = model_for(m["weights"], cfg, checkpoint, what=str(folder), command=verify_command(m, folder))
-        paths = {role: a["path"] for role, a in m["artifacts"].items()}
-        needed = ["onnx", "onnx_plugin", "engine", "engine_info"] + (["decoder_engine_info"] if "decoder_engine" in paths else [])
-        if missing := [r for r in needed if r not in paths]:
-            raise BuildError(f"{folder / MANIFEST}: no {', '.join(repr(r) for r in missing)} artifact: not a build this "
-                             "andrea-export can verify")
-        engine_info = read_engine_info(folder / paths["engine_info"])
+        made = Artifacts.of_manifest(folder, m)
+        needed = [Role.ONNX, Role.ONNX_PLUGIN, Role.ENGINE, Role.ENGINE_INFO] + (
+            [Role.DECODER_ENGINE_INFO] if Role.DECODER_ENGINE in made else [])
+        if missing := [r for r in needed if r not in made]:
+            raise BuildError(f"{folder / MANIFEST}: no {', '.join(repr(r.value) for r in missing)} artifact: not a build "
+                             "this andrea-export can verify")
+        engine_info = read_engine_info(made.path(Role.ENGINE_INFO))
         # the new verify.json and manifest are staged with the unchanged files and swapped in together:
         # a crash never leaves a report that the manifest does not record
         with update_folder(folder) as tmp:
-            report = verify_folder(folder, model, m["precision"], paths, engine_info, shapes, greedy_steps)
-            report.save(tmp / "verify.json")
+            report = verify_folder(folder, model, m["precision"], made, engine_info, shapes, greedy_steps)
+            name = TABLE[Role.VERIFY_REPORT].file_name(m["precision"])
+            report.save(tmp / name)
             m["status"], m["verification"] = build_status(report), verification_record(report)
-            m["artifacts"]["verify_report"] = _hash_artifacts(tmp, {"verify_report": "verify.json"})["verify_report"]
+            m["artifacts"][Role.VERIFY_REPORT.value] = _hash_artifacts(tmp, {Role.VERIFY_REPORT: name})[Role.VERIFY_REPORT]
             m["verified_on"] = _environment()
             write_text_atomic(tmp / MANIFEST, json.dumps(m, indent=2) + "\n")
     return m
@@ -525,8 +542,8 @@ def _environment() -> dict:
             "gpu_compute_capability": gpu_compute_capability(), "packages": versions}
 
 
-def _hash_artifacts(folder: Path, artifacts: dict[str, str]) -> dict:
-    return {role: {"path": name, "sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
+def _hash_artifacts(folder: Path, artifacts) -> dict:
+    return {str(role): {"path": name, "sha256": sha256_file(folder / name), "bytes": (folder / name).stat().st_size}
             for role, name in artifacts.items()}
 
 

@@ -18,7 +18,7 @@ import andrea_export
 ROOT = Path(andrea_export.__file__).parent
 # Lowest first. A module may import its own stage and those below it, never one above.
 STAGES = ["base", "folder", "model", "plugin", "graphs", "engine", "runtime", "verify", "deploy", "bench", "top"]
-BASE = {"andrea_export", "errors", "names", "progress", "config", "userfiles", "_lazy"}  # flat modules at the bottom
+BASE = {"andrea_export", "catalog", "errors", "names", "progress", "config", "userfiles", "_lazy"}  # flat modules at the bottom
 TOP = {"pipeline", "cli", "inspect", "__main__"}  # orchestration and the user's commands
 
 

@@ -32,10 +32,11 @@ import shutil
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..catalog import TABLE, Role
 from ..errors import ExportError
 from ..folder.atomic import write_text_atomic
 
-GENAI_CONFIG = "genai_config.json"
+GENAI_CONFIG = TABLE[Role.GENAI_CONFIG].file
 MODEL_TYPE = "decoder"
 # genai provider names (config.cpp NormalizeProviderName) -> the options that fit our decoder graph.
 PROVIDERS = {

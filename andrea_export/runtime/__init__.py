@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..catalog import TABLE, Role, decoder_graph
 from ..errors import InputError, installed
 from ..folder.reader import MANIFEST
 from ..graphs.layout import read_decoder_meta
@@ -29,7 +30,7 @@ from .base import Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
 BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
-ENGINE_FILE = "decoder.plan"  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
+ENGINE_FILE = TABLE[Role.DECODER_ENGINE].file  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
            "load", "next_token", "tokenizer_path"]
@@ -49,11 +50,11 @@ def tokenizer_path(path: str | Path) -> Path | None:
     manifest = _build_manifest(path)
     if manifest is None:  # a bare decoder folder: no record to check against, but no link out of it
         return inside(path, TOKENIZER_FILE, str(candidate), InputError, flat=True)
-    recorded = manifest["artifacts"].get("tokenizer")
+    recorded = manifest["artifacts"].get(Role.TOKENIZER)
     if recorded is None or recorded["path"] != TOKENIZER_FILE:
         raise InputError(f"{candidate}: not recorded in {path / MANIFEST} as the build's tokenizer: the folder was "
                          "changed after the build; rebuild it, or give the tokenizer with --tokenizer")
-    if changed_artifacts(path, {"artifacts": {"tokenizer": recorded}}):
+    if changed_artifacts(path, {"artifacts": {Role.TOKENIZER: recorded}}):
         raise InputError(f"{candidate}: changed since the build (sha256 differs from the manifest's); rebuild it, "
                          "or give the tokenizer with --tokenizer")
     return candidate
@@ -99,16 +100,16 @@ def _from_build(folder: Path, m: dict, backend: str) -> tuple[Path, Path | None]
     from ..graphs.external_data import graph_weights
 
     have = m["artifacts"]
-    if "decoder_onnx" not in have:
+    if Role.DECODER_ONNX not in have:
         raise InputError(f"{folder}: this build has no KV-cache decoder graph (it was built with --no-decoder); "
                          "rebuild it with the decoder to generate from it")
-    graph = "decoder_onnx_inplace" if backend == "onnxruntime" and "decoder_onnx_inplace" in have else "decoder_onnx"
-    roles = [graph] + [r for r in ("decoder_engine", "decoder_engine_info") if backend == "tensorrt" and r in have]
+    graph = decoder_graph(backend, have)
+    roles = [graph] + [r for r in (Role.DECODER_ENGINE, Role.DECODER_ENGINE_INFO) if backend == "tensorrt" and r in have]
     if changed := changed_artifacts(folder, {"artifacts": {r: have[r] for r in roles}}):
         raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
     decoder = artifact(folder, m, graph)
     graph_weights(folder, m, decoder, InputError)  # the weights it points into are run too
-    return decoder, artifact(folder, m, "decoder_engine") if "decoder_engine" in have else None
+    return decoder, artifact(folder, m, Role.DECODER_ENGINE) if Role.DECODER_ENGINE in have else None
 
 
 def load(
@@ -156,7 +157,7 @@ def load(
             )
         from .trt import TrtSession
 
-        sess = TrtSession(engine, cfg, layout, cuda_graph=cuda_graph)
+        sess: Session = TrtSession(engine, cfg, layout, cuda_graph=cuda_graph)
     elif backend == "openvino":
         from .openvino import OpenVinoSession
 
@@ -175,7 +176,7 @@ def _has_engine(path: Path, manifest: dict | None) -> bool:
     if path.is_file():
         return path.suffix in (".plan", ".engine")
     if manifest is not None:
-        return "decoder_engine" in manifest["artifacts"]
+        return Role.DECODER_ENGINE in manifest["artifacts"]
     return (path / ENGINE_FILE).is_file()
 
 

@@ -4,12 +4,15 @@ TensorRT session against PyTorch."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
+from ..catalog import Role
 from ..errors import AndreaExportError
 
 
-def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: str) -> dict:
+def engine_checks(folder: Path, model, artifacts: Mapping, steps: int, precision: str) -> dict:
     """The decoder engine through the runtime's TrtSession against PyTorch, on every path the runtime takes:
     the CUDA-graph session, its fallback when a capture fails (the same fixed-shape step through
     execute_async_v3, taken on purpose with capture=False) and the growing-cache session (cuda_graph=False).
@@ -27,7 +30,7 @@ def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: s
     from .metrics import lm_metrics
     from .thresholds import MAX_KL, TOLERANCES
 
-    graph = folder / artifacts["decoder_onnx"]  # named here: a staging folder has no manifest yet
+    graph = folder / artifacts[Role.DECODER_ONNX]  # named here: a staging folder has no manifest yet
     cfg, layout = read_decoder(graph)  # one check of the graph
     n, tol = cfg.n_positions, TOLERANCES[precision]
     prompt = list(range(1, 9))
@@ -48,11 +51,11 @@ def engine_checks(folder: Path, model, artifacts: dict, steps: int, precision: s
     paths = {}
     for path, cuda_graph, capture in (("cuda_graph", True, True), ("capture_fallback", True, False),
                                       ("uncaptured", False, False)):
-        plan = folder / artifacts["decoder_engine"]
+        plan = folder / artifacts[Role.DECODER_ENGINE]
         with TrtSession(plan, cfg, layout, cuda_graph=cuda_graph, capture=capture) as sess:
             greedy = greedy_agreement(model, sess, prompt, n_tokens=steps, **tol, max_kl=MAX_KL[precision])
             greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
-            r = {"greedy": greedy, "boundary": boundary(sess)}
+            r: dict[str, Any] = {"greedy": greedy, "boundary": boundary(sess)}
             if capture:
                 r["captured"], r["capture_error"] = sess.cuda_graph_active, sess.cuda_graph_error
         r["passed"] = greedy["passed"] and all(b["passed"] for b in r["boundary"].values()) and r.get("captured", True)

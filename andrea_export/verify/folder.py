@@ -4,8 +4,10 @@ engines where this machine can run them (engine.py); and the build status the re
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
+from ..catalog import ENGINES, Role
 from ..folder.reader import inside, read_engine_info
 from ..names import EVAL_TEXT_FILE, TOKENIZER_FILE, WEIGHT_ONLY
 from ..progress import step
@@ -21,39 +23,39 @@ def evaluation_windows(tok, path: Path | str, cfg) -> tuple:
     return windows(ids, cfg.n_positions), describe_text(body, tok, len(ids))
 
 
-def folder_evaluation(folder: Path, artifacts: dict, cfg):
+def folder_evaluation(folder: Path, artifacts: Mapping, cfg):
     """(token windows, description) of the build's evaluation text, or (None, None) without one."""
     from ..model.text import load_tokenizer
 
-    if "eval_text" not in artifacts:
+    if Role.EVAL_TEXT not in artifacts:
         return None, None
     # fixed names: a manifest's path is never followed
     return evaluation_windows(load_tokenizer(folder / TOKENIZER_FILE), folder / EVAL_TEXT_FILE, cfg)
 
 
-def decoder_checks(folder: Path, model, precision: str, artifacts: dict, greedy_steps: int, seed: int = 0) -> dict:
+def decoder_checks(folder: Path, model, precision: str, artifacts: Mapping, greedy_steps: int, seed: int = 0) -> dict:
     """Polygraphy step by step (prefill of a left-padded batch, then one token at a time, every output),
     and greedy decoding through the runtime (ONNX Runtime, KV cache) against PyTorch recomputing all."""
     import numpy as np
 
     cfg = model.cfg
-    path = folder / artifacts["decoder_onnx"]
+    path = folder / artifacts[Role.DECODER_ONNX]
     rng = np.random.default_rng(seed)
     n = min(16, cfg.n_positions // 4)
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
     result = decoder_graph_checks(model, path, precision, prompts, greedy_steps)
-    if "decoder_onnx_qdq" in artifacts:  # the weights the decoder engine gets (quantized for TensorRT)
+    if Role.DECODER_ONNX_QDQ in artifacts:  # the weights the decoder engine gets (quantized for TensorRT)
         from .agreement import verify_decoder
         from .thresholds import TOLERANCES
 
-        qdq = folder / artifacts["decoder_onnx_qdq"]
+        qdq = folder / artifacts[Role.DECODER_ONNX_QDQ]
         with step(f"Verifying the engines' Q/DQ decoder {qdq.name} step by step"):
             steps = verify_decoder(model, qdq, prompts, steps=8, **TOLERANCES[precision])
         result["qdq"] = {"artifact": qdq.name, "steps": steps, "passed": steps["passed"]}
         result["passed"] = result["passed"] and steps["passed"]
-    if "decoder_onnx_inplace" in artifacts:  # the graph ONNX Runtime and genai run: the same checks
+    if Role.DECODER_ONNX_INPLACE in artifacts:  # the graph ONNX Runtime and genai run: the same checks
         with step("Verifying the in-place KV-cache decoder step by step"):
-            result["inplace"] = decoder_graph_checks(model, folder / artifacts["decoder_onnx_inplace"], precision,
+            result["inplace"] = decoder_graph_checks(model, folder / artifacts[Role.DECODER_ONNX_INPLACE], precision,
                                                       prompts, greedy_steps)
         result["passed"] = result["passed"] and result["inplace"]["passed"]
     return result
@@ -80,32 +82,32 @@ def decoder_graph_checks(model, path: Path, precision: str, prompts, greedy_step
     return result
 
 
-def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_info: dict, shapes=None,
+def verify_folder(folder: Path, model, precision: str, artifacts: Mapping, engine_info: dict, shapes=None,
                   greedy_steps=32, evaluation: tuple | None = None):
     """Verify every artifact of a (staged or finished) build folder against the PyTorch model. `evaluation`:
     the evaluation text's (windows, description) when the caller has it, else read from the folder."""
     from .compare import verify
 
-    runners: dict[str, object] = {"onnxrt": folder / artifacts["onnx"],
-                                  "onnxrt-plugin": folder / artifacts["onnx_plugin"]}
+    runners: dict[str, object] = {"onnxrt": folder / artifacts[Role.ONNX],
+                                  "onnxrt-plugin": folder / artifacts[Role.ONNX_PLUGIN]}
     skipped = []
-    runner, reason = engine_runner(folder / artifacts["engine"], engine_info)
+    runner, reason = engine_runner(folder / artifacts[Role.ENGINE], engine_info)
     if runner is not None:
         runners["engine"] = runner
     else:
-        skipped.append({"artifact": "engine", "reason": reason})
+        skipped.append({"artifact": Role.ENGINE.value, "reason": reason})
     shapes = [tuple(s) for s in shapes] if shapes else None
     wins, described = evaluation or folder_evaluation(folder, artifacts, model.cfg)
     report = verify(model, runners, precision=precision, shapes=shapes, greedy_steps=greedy_steps, skipped=skipped,
                     eval_windows=wins, eval_text=described)
-    if "decoder_onnx" in artifacts:
+    if Role.DECODER_ONNX in artifacts:
         with step("Verifying the KV-cache decoder step by step"):
             report.decoder = decoder_checks(folder, model, precision, artifacts, greedy_steps)
-        if "decoder_engine" in artifacts:
-            plan = folder / artifacts["decoder_engine"]
-            reason = engine_blocker(plan, read_engine_info(folder / artifacts["decoder_engine_info"]))
+        if Role.DECODER_ENGINE in artifacts:
+            plan = folder / artifacts[Role.DECODER_ENGINE]
+            reason = engine_blocker(plan, read_engine_info(folder / artifacts[Role.DECODER_ENGINE_INFO]))
             if reason:
-                report.skipped.append({"artifact": "decoder_engine", "reason": reason})
+                report.skipped.append({"artifact": Role.DECODER_ENGINE.value, "reason": reason})
             else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph or not) decodes like PyTorch
                 report.decoder["engine"] = engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
                 report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine"]["passed"]
@@ -130,28 +132,28 @@ def verify_folder(folder: Path, model, precision: str, artifacts: dict, engine_i
     return report
 
 
-def engine_weights_checks(folder: Path, artifacts: dict, engine_info: dict) -> dict:
+def engine_weights_checks(folder: Path, artifacts: Mapping, engine_info: dict) -> dict:
     """quantized_weights_check of each engine of the folder against the graph its sidecar says it was built from
     (a path read from the sidecar: it must stay inside the folder)."""
-    infos = {"engine": engine_info}
-    if "decoder_engine_info" in artifacts:
-        infos["decoder_engine"] = read_engine_info(folder / artifacts["decoder_engine_info"])
+    infos = {Role.ENGINE: engine_info}
+    if Role.DECODER_ENGINE_INFO in artifacts:
+        infos[Role.DECODER_ENGINE] = read_engine_info(folder / artifacts[Role.DECODER_ENGINE_INFO])
     checks = {}
     for role, info in infos.items():
-        if role in artifacts and info and "onnx" in info:
+        if role in artifacts and info and "onnx" in info:  # the sidecar's field: the graph it was built from
             source = inside(folder, info["onnx"], f"{artifacts[role]}.json 'onnx'")
             checks[role] = quantized_weights_check(folder / artifacts[role], source)
     return checks
 
 
 def build_status(report) -> str:
-    engine_ran = not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped)
+    engine_ran = not any(s["artifact"] in ENGINES for s in report.skipped)
     return "failed" if not report.passed else ("passed" if engine_ran else "engine-unverified")
 
 
 def verification_record(report) -> dict:
     return {"passed": report.passed, "report": "verify.json",
-            "engine_verified": not any(s["artifact"] in ("engine", "decoder_engine") for s in report.skipped),
+            "engine_verified": not any(s["artifact"] in ENGINES for s in report.skipped),
             "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons},
             "perplexity": ({**p["reference"], **p["artifacts"], **_runtime_perplexities(report)}
                            if (p := report.perplexity) and p.get("computed") else None),

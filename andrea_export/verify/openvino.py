@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
+from ..catalog import Role
 from ..graphs.export import INPUT_NAME, OUTPUT_NAME
 
 # verify/thresholds.py's precision for what OpenVINO computes in
@@ -83,7 +85,8 @@ def decoder_steps_check(model, session, prompts, steps: int = 16, seed: int = 0,
         out = session.forward_stepwise(ids, len(prompt))
         with torch.inference_mode():
             ref = model(torch.tensor([ids]))[0].float().numpy()
-        refs.append(ref), outs.append(out)
+        refs.append(ref)
+        outs.append(out)
         per_prompt.append({"prompt_len": len(prompt), "steps": steps, "max_abs_logits": float(np.abs(out - ref).max()),
                            "allclose": bool(np.allclose(out, ref, **tol))})  # fmt: skip
     lm = lm_metrics(np.concatenate(refs), np.concatenate(outs), floor.get("top1_tie", 0.0))
@@ -92,7 +95,7 @@ def decoder_steps_check(model, session, prompts, steps: int = 16, seed: int = 0,
             "passed": all(p["allclose"] for p in per_prompt) and lm_passed(lm, floor)}  # fmt: skip
 
 
-def openvino_checks(folder: Path, model, artifacts: dict, shapes=None, greedy_steps: int = 32,
+def openvino_checks(folder: Path, model, artifacts: Mapping, shapes=None, greedy_steps: int = 32,
                     evaluation: tuple = (None, None), inference_precision: str = "bf16") -> dict:  # fmt: skip
     """The standard graph and the decoder of an fp32 build on OpenVINO in `inference_precision` (see the module
     docstring), at that precision's thresholds."""
@@ -104,17 +107,17 @@ def openvino_checks(folder: Path, model, artifacts: dict, shapes=None, greedy_st
     name, thresholds = runtime_name(inference_precision), THRESHOLDS[inference_precision]
     wins, described = evaluation
     with step(f"Verifying the graphs on OpenVINO in {inference_precision} (runtime.load(..., backend='openvino'))"):
-        runner = OpenVinoRunner(folder / artifacts["onnx"], inference_precision)
+        runner = OpenVinoRunner(folder / artifacts[Role.ONNX], inference_precision)
         report = verify(model, {name: runner}, precision=thresholds, shapes=shapes, greedy_steps=0,
                         eval_windows=wins, eval_text=described, quiet=True)  # fmt: skip
-        result = {"inference_precision": inference_precision, "graph": artifacts["onnx"], "thresholds": thresholds,
+        result = {"inference_precision": inference_precision, "graph": artifacts[Role.ONNX], "thresholds": thresholds,
                   "comparison": report.comparisons[0], "passed": report.passed}  # fmt: skip
-    if "decoder_onnx" in artifacts:
+    if Role.DECODER_ONNX in artifacts:
         rng = np.random.default_rng(0)
         n = min(16, model.cfg.n_positions // 4)
         prompts = [rng.integers(0, model.cfg.vocab_size, k).tolist() for k in (n, n // 2)]
         with step(f"Verifying the KV-cache decoder on OpenVINO in {inference_precision} step by step (attention "
-                  "fused, cache in the plugin)"), load(folder / artifacts["decoder_onnx"], backend="openvino",
+                  "fused, cache in the plugin)"), load(folder / artifacts[Role.DECODER_ONNX], backend="openvino",
                                                         inference_precision=inference_precision) as sess:  # fmt: skip
             result["decoder"] = decoder_steps_check(model, sess, prompts, thresholds=thresholds)
             result["passed"] = result["passed"] and result["decoder"]["passed"]

@@ -162,12 +162,14 @@ def test_check_tensorrt_import_names_the_file_and_the_rule(tmp_path):
 @pytest.fixture(scope="module", params=PRECISIONS)
 def tensorrt_graphs(request, tiny_model, tmp_path_factory):
     """Every graph a `--builder tensorrt` build of `precision` exports, and the ones its engines are built from."""
-    from andrea_export.pipeline import BuildOptions, _export_graphs, engine_sources
+    from andrea_export.catalog import Artifacts
+    from andrea_export.pipeline import BuildOptions, _export_decoders, _export_graphs, engine_sources
 
     tmp = tmp_path_factory.mktemp(f"trt-{request.param}")
-    artifacts: dict[str, str] = {}
-    _export_graphs(tmp, tiny_model, BuildOptions(config="andrea-tiny", precision=request.param), "tensorrt", artifacts)
-    return request.param, tmp, artifacts, engine_sources(artifacts, "tensorrt")
+    made, opts = Artifacts(tmp, request.param), BuildOptions(config="andrea-tiny", precision=request.param)
+    _export_graphs(made, tiny_model, opts, "tensorrt")
+    _export_decoders(made, tiny_model, opts, "tensorrt")
+    return request.param, tmp, made, engine_sources(made, "tensorrt", request.param)
 
 
 def test_every_graph_handed_to_full_tensorrt_passes_its_import_rules(tensorrt_graphs):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...catalog import Role
 from ...errors import PackageError
 from ...folder.atomic import locked_folder
 from .common import check_triton_release, choose_backend, config_text, parse_config, read_manifest
@@ -35,13 +36,13 @@ def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = N
                   hardlink=hardlink, triton_release=triton_release)
     with locked_folder(build_dir, shared=True):
         manifest = read_manifest(build_dir)
-        has_generate = "decoder_onnx_inplace" in manifest["artifacts"]
+        has_generate = Role.DECODER_ONNX_INPLACE in manifest["artifacts"]
         plan = not generate_only and _serves_plan(Path(build_dir), manifest, backend, kind)
         check_triton_release(Path(build_dir), manifest, triton_release, plan=plan)  # before the first model
         models = []
         if not generate_only:
             models.append(write_triton_repo(build_dir, repo_dir, name=name, manifest=manifest, **common, **options))
-            if "decoder_onnx" in manifest["artifacts"]:
+            if Role.DECODER_ONNX in manifest["artifacts"]:
                 models.append(write_triton_decoder(build_dir, repo_dir, name=f"{name}-decoder" if name else None,
                                                    manifest=manifest, **common))
         if generate_only or generate or (generate is None and has_generate):
@@ -54,9 +55,9 @@ def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = N
 def _serves_plan(build_dir: Path, manifest: dict, backend: str, kind: str) -> bool:
     """Whether the stateless or the stateful model would be a TensorRT plan (the writers choose the same way;
     what they would refuse, they say themselves)."""
-    roles = [("engine", "onnx")]
-    if "decoder_onnx" in manifest["artifacts"]:
-        roles.append(("decoder_engine", "decoder_onnx"))
+    roles = [(Role.ENGINE, Role.ONNX)]
+    if Role.DECODER_ONNX in manifest["artifacts"]:
+        roles.append((Role.DECODER_ENGINE, Role.DECODER_ONNX))
     for engine, graph in roles:
         try:
             if choose_backend(build_dir, manifest, backend, kind, engine=engine, graph=graph) == "tensorrt":

@@ -15,6 +15,7 @@ from pathlib import Path
 import onnx
 from onnx import TensorProto
 
+from ...catalog import Role
 from ...errors import PackageError, require
 from ...folder.atomic import locked_folder, sha256_file, swap_folders
 from ...folder.reader import MANIFEST
@@ -111,8 +112,8 @@ def check_status(build_dir: Path, manifest: dict, allow_failed: bool, what: str)
     return status
 
 
-def choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str, engine: str = "engine",
-                    graph: str = "onnx") -> str:
+def choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str, engine: Role = Role.ENGINE,
+                    graph: Role = Role.ONNX) -> str:
     """The backend that serves artifact `engine` (TensorRT) or `graph` (ONNX Runtime): `backend` checked,
     or auto's choice (the engine when it is a TensorRT plan, not weight-stripped, and kind is gpu)."""
     artifacts = manifest["artifacts"]
@@ -140,7 +141,7 @@ def choose_backend(build_dir: Path, manifest: dict, backend: str, kind: str, eng
         )
     elif roles[backend] in artifacts:
         return backend
-    if graph == "onnx" and "decoder_onnx" in artifacts:
+    if graph == Role.ONNX and Role.DECODER_ONNX in artifacts:
         raise PackageError(
             f"{build_dir}: the build has only a KV-cache decoder ('decoder_onnx') for this backend; package it "
             "as a stateful model with andrea_export.deploy.triton.write_triton_decoder, or package a build "

@@ -18,6 +18,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from ...catalog import Role
 from ...errors import PackageError
 from ...folder.reader import MANIFEST, artifact, changed_artifacts
 from ...graphs.external_data import graph_weights
@@ -51,7 +52,7 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
     build_dir, repo = Path(build_dir), Path(repo_dir)
     check_status(build_dir, manifest, allow_failed, "the generate model")
     have = manifest["artifacts"]
-    if "decoder_onnx_inplace" not in have:
+    if Role.DECODER_ONNX_INPLACE not in have:
         raise PackageError(f"{build_dir}: no in-place decoder (decoder.inplace.onnx), which the generate model batches "
                            "over; bf16 builds have none (ONNX Runtime's CPU provider has no bf16 kernels): build fp32, "
                            "fp16, int8 or int4 with the decoder")
@@ -60,10 +61,10 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
     if step_tokens is not None and not slots < step_tokens <= slots + manifest["model"]["n_positions"]:
         raise PackageError(f"step_tokens must be more than slots ({slots}: the decoding rows come first) and at most "
                            f"slots + n_positions, got {step_tokens}")
-    roles = ["decoder_onnx_inplace"] + [r for r in ("tokenizer", "tokenizer_config") if r in have]
+    roles = [Role.DECODER_ONNX_INPLACE] + [r for r in (Role.TOKENIZER, Role.TOKENIZER_CONFIG) if r in have]
     if changed := changed_artifacts(build_dir, {"artifacts": {r: have[r] for r in roles}}):
         raise PackageError(f"{build_dir}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
-    decoder = artifact(build_dir, manifest, "decoder_onnx_inplace")
+    decoder = artifact(build_dir, manifest, Role.DECODER_ONNX_INPLACE)
     files = [have[r]["path"] for r in roles] + graph_weights(build_dir, manifest, decoder, PackageError)
     name = name or f"{manifest['model']['name']}-{manifest['precision']}-generate"
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ...catalog import Role
 from ... import __version__
 from ...config import check_name
 from ...errors import PackageError
@@ -88,14 +89,14 @@ def write_triton_decoder(build_dir: str | Path, repo_dir: str | Path, *, name: s
     if not isinstance(instances, int) or instances < 1:
         raise PackageError(f"instances must be a positive integer, got {instances!r}")
     pb = model_config_pb2()
-    if "decoder_onnx" not in manifest["artifacts"]:
+    if Role.DECODER_ONNX not in manifest["artifacts"]:
         raise PackageError(f"{build_dir}: the build has no KV-cache decoder (built with --no-decoder); rebuild with it")
     check_status(build_dir, manifest, allow_failed, "its decoder")
-    backend = choose_backend(build_dir, manifest, backend, kind, engine="decoder_engine", graph="decoder_onnx")
-    role = "decoder_engine" if backend == "tensorrt" else "decoder_onnx"
+    backend = choose_backend(build_dir, manifest, backend, kind, engine=Role.DECODER_ENGINE, graph=Role.DECODER_ONNX)
+    role = Role.DECODER_ENGINE if backend == "tensorrt" else Role.DECODER_ONNX
     check_triton_release(build_dir, manifest, triton_release, plan=backend == "tensorrt")
 
-    graph = artifact_file(build_dir, manifest, "decoder_onnx")
+    graph = artifact_file(build_dir, manifest, Role.DECODER_ONNX)
     artifact = artifact_file(build_dir, manifest, role) if backend == "tensorrt" else graph
     profiles = _engine_profiles(build_dir, manifest) if backend == "tensorrt" else []
     cfg = decoder_config(pb, graph, name or _default_name(manifest, backend), backend, instances, kind,
@@ -145,7 +146,7 @@ def decoder_config(pb, graph: Path, name: str, backend: str = "onnxruntime", ins
 def _engine_profiles(build_dir: Path, manifest: dict) -> list:
     from ...folder.reader import read_engine_info
 
-    info = artifact_file(build_dir, manifest, "decoder_engine_info") if "decoder_engine_info" in manifest["artifacts"] else None
+    info = artifact_file(build_dir, manifest, Role.DECODER_ENGINE_INFO) if Role.DECODER_ENGINE_INFO in manifest["artifacts"] else None
     if info is None:
         raise PackageError(f"{build_dir}: the decoder engine's sidecar (decoder_engine_info) with its profiles is missing")
     profiles = read_engine_info(info, PackageError).get("profiles") or []

@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from ...catalog import Role
 from ... import __version__
 from ...config import check_name
 from ...errors import PackageError
@@ -73,7 +74,7 @@ from .common import (
 BACKENDS = ("auto", "tensorrt", "onnxruntime")
 KINDS = ("gpu", "cpu")
 DEFAULT_ONNX_MAX_BATCH = 8  # ONNX Runtime has no profile limit; used when the manifest has no profiles
-ROLE = {"tensorrt": "engine", "onnxruntime": "onnx"}
+ROLE = {"tensorrt": Role.ENGINE, "onnxruntime": Role.ONNX}
 
 
 @reading_build
@@ -241,7 +242,7 @@ def _model_config(pb, name: str, backend: str, io_onnx: Path, inputs: dict, outp
 
 def _io_onnx(build_dir: Path, manifest: dict) -> Path:
     """The ONNX file that tells an engine's I/O names and types (the engine keeps the ONNX's I/O)."""
-    for role in ("onnx", "onnx_plugin"):
+    for role in (Role.ONNX, Role.ONNX_PLUGIN):
         if role in manifest["artifacts"]:
             return artifact_file(build_dir, manifest, role)
     raise PackageError(
