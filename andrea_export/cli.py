@@ -13,6 +13,7 @@ import click
 
 from . import __version__
 from .errors import AndreaExportError, ConfigError
+from .names import MAX_SEED
 from .pipeline import MAX_WORKSPACE_MB
 
 
@@ -86,7 +87,7 @@ config_option = click.option(
     "--config", "config", default=None, metavar="NAME|FILE",
     help="Model config: a preset (andrea-120m, andrea-tiny) or a JSON file like models/andrea-120m.json. "
          "Default: read from the checkpoint, else andrea-120m.")
-seed_option = click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+seed_option = click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
                            help="Seed of the random weights (no checkpoint).")
 
 
@@ -233,7 +234,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
                    "inside it; a file elsewhere must be given on the command line.")
 @checkpoint_option
 @config_option
-@click.option("--seed", type=click.IntRange(min=0), default=None,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Seed of the random weights (no checkpoint). [default: 0]")
 @click.option("--precision", type=click.Choice(["fp32", "fp16", "bf16", "int8", "int4"]), default=None,
               help="Precision of the graph the engine is built from (TensorRT 11 and TensorRT-RTX are strongly "
@@ -408,7 +409,7 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
               help="top-k only: sample among the k likeliest tokens.")
 @click.option("--top-p", type=float, default=0.9, show_default=True,
               help="top-p only: sample among the likeliest tokens whose probabilities add up to p (nucleus).")
-@click.option("--seed", type=click.IntRange(min=0), default=None,
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Seed for top-k/top-p sampling (reproducible output); each prompt gets the tokens it gets alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
@@ -553,7 +554,8 @@ def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_o
 @main.command("train-demo")
 @click.option("--out", type=click.Path(file_okay=False, path_type=Path), default=Path("demo"), show_default=True,
               help="Folder for tokenizer.json, model.safetensors, heldout.txt, train.json and loss.png.")
-@click.option("--seed", default=0, show_default=True, help="Seed of the initial weights and the batches.")
+@click.option("--seed", type=click.IntRange(0, MAX_SEED), default=0, show_default=True,
+              help="Seed of the initial weights and the batches.")
 @click.option("--steps", type=click.IntRange(min=1), default=None, help="Optimizer steps. [default: the recipe's]")
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
               help="torch threads (fixed, so the result is bit-identical from run to run).")

@@ -25,3 +25,4 @@ FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")  # every weight and activation in th
 WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights (graphs/quantize.py; Q/DQ for the engines)
 PRECISIONS = (*FLOAT_PRECISIONS, *WEIGHT_ONLY)
 BUILDERS = ("tensorrt", "tensorrt-rtx")  # engine builders (engine/backends.py)
+MAX_SEED = 2**63 - 1  # every seed we take: torch's generator refuses more than 64 bits, and JSON readers int64

@@ -25,7 +25,7 @@ from .config import PRESETS, load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
 from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
-from .names import INPUT_IDS
+from .names import INPUT_IDS, MAX_SEED
 from .progress import console, step, styled, warn
 from .userfiles import MAX_CONFIG_BYTES, read_text
 
@@ -105,8 +105,8 @@ class BuildOptions:
         for f in ("fuse_bias", "decoder", "strip_weights"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, "true or false")
-        if not is_int(self.seed) or self.seed < 0:
-            bad("seed", "an integer >= 0")
+        if not is_int(self.seed) or not 0 <= self.seed <= MAX_SEED:
+            bad("seed", "an integer in 0..2**63-1")
         if self.precision not in PRECISIONS:
             bad("precision", f"one of {', '.join(PRECISIONS)}")
         if self.builder not in ("auto", *BUILDERS):

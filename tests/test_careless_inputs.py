@@ -186,9 +186,10 @@ def test_verify_config_that_does_not_match_the_file(tiny_file):
 # --- generate options -------------------------------------------------------------------------------
 
 
-def test_generate_negative_seed(tiny_build):
+@pytest.mark.parametrize("seed", ["-1", str(2**63), str(2**70)])
+def test_generate_seed_out_of_range(tiny_build, seed):
     build, _ = tiny_build
-    refused(cli("generate", build, "--prompt-ids", "1,2", "--strategy", "top-k", "--seed", "-1"), 2, "--seed", "-1")
+    refused(cli("generate", build, "--prompt-ids", "1,2", "--strategy", "top-k", "--seed", seed), 2, "--seed", seed)
 
 
 @pytest.mark.parametrize("ids", ["\u0661,2", "1,\uff12", "\u00b9", "+1", "1_0"])
@@ -220,6 +221,7 @@ def test_sampling_options_still_work(tiny_build):
     (["--compute-capability", "7.5", "--compute-capability", "8.6"], ["7.5", "alone"]),
     (["--compute-capability", "7.5"], ["7.5", "fp16"]),
     (["--builder", "tensorrt", "--compute-capability", "8.6"], ["TensorRT-RTX only"]),
+    (["--seed", str(2**64)], ["--seed", str(2**64)]),
 ])
 def test_build_options_refused_before_any_work(tmp_path, monkeypatch, args, words):
     import andrea_export.model.checkpoint
@@ -240,6 +242,7 @@ def test_build_options_refused_before_any_work(tmp_path, monkeypatch, args, word
 
 @pytest.mark.parametrize("toml,words", [
     ('seed = "x"', ["seed", "'x'"]),
+    (f"seed = {2**64}", ["seed", str(2**64)]),
     ('opt_level = "high"', ["opt_level", "'high'"]),
     ("opt_level = 9", ["opt_level", "9"]),
     ("greedy_steps = [1]", ["greedy_steps", "[1]"]),
@@ -267,6 +270,8 @@ def test_build_options_check_from_python():
         BuildOptions(greedy_steps=-3).check()
     with pytest.raises(ConfigError, match="seed"):
         BuildOptions(seed=-1).check()
+    with pytest.raises(ConfigError, match=r"build option 'seed': expected an integer in 0\.\.2\*\*63-1"):
+        BuildOptions(seed=2**64).check()  # torch's generator takes 64 bits at most: a traceback from it before
     assert BuildOptions(config="andrea-tiny").check() is not None
 
 

@@ -337,7 +337,9 @@ def _with_metadata(src: Path, dst: Path, **meta: str) -> Path:
     ("andrea.weights", "[]", "weight source"),
     ("andrea.weights", '{"kind": "random-init"}', "seed"),
     ("andrea.weights", '{"kind": "random-init", "seed": "0"}', "seed"),
+    ("andrea.weights", '{"kind": "random-init", "seed": 18446744073709551616}', "seed"),  # over torch's 64 bits
     ("andrea.weights", '{"kind": "pickle"}', "kind"),
+    ("andrea.weights", "[" * 100_000 + "]" * 100_000, "nests deeper"),  # json.loads: a RecursionError's traceback
 ])
 def test_bad_onnx_metadata(scene, key, value, says):
     bad = _with_metadata(scene.evil / "model.onnx", scene.root / "bad.onnx", **{key: value})
@@ -350,6 +352,7 @@ def test_bad_onnx_metadata(scene, key, value, says):
     ("andrea.kv_layout", "[]", "KV layout"),
     ("andrea.config", json.dumps({**ANDREA_TINY.to_dict(), "name": "a/b"}), "name"),
     ("andrea.weights", '{"kind": "checkpoint", "sha256": 5}', "sha256"),
+    ("andrea.kv_layout", '{"a": ' * 100_000 + "1" + "}" * 100_000, "nests deeper"),
 ])
 def test_bad_decoder_metadata(scene, key, value, says):
     folder = scene.root / "dec"

@@ -15,7 +15,7 @@ from typing import Any
 
 from .. import userfiles
 from ..errors import BuildError
-from ..names import BUILDERS, PRECISIONS
+from ..names import BUILDERS, MAX_SEED, PRECISIONS
 from ..userfiles import MAX_JSON_BYTES
 
 MANIFEST = "manifest.json"
@@ -200,10 +200,7 @@ def metadata_json(meta: dict[str, str], key: str, path) -> Any:
     ExportError naming the file and the key. Any JSON value: each caller checks the shape it needs."""
     from ..errors import ExportError
 
-    try:
-        return json.loads(meta[key])
-    except ValueError as e:
-        raise ExportError(f"{path}: metadata '{key}' is not valid JSON ({e})") from None
+    return userfiles.loads_json(meta[key], str(path), f"metadata '{key}'", ExportError)
 
 
 def check_weights_source(source, where: str) -> dict:
@@ -217,6 +214,8 @@ def check_weights_source(source, where: str) -> dict:
            else f"'kind' must be random-init or checkpoint, not {kind!r:.40}")
     if why is None and kind == "checkpoint" and not _SHA256.fullmatch(source["sha256"]):
         why = "'sha256' must be 64 hex digits"
+    if why is None and kind == "random-init" and not 0 <= source["seed"] <= MAX_SEED:
+        why = f"'seed' must be in 0..2**63-1, not {str(source['seed'])[:40]}"
     if why is not None:
         raise CheckpointError(f"{where}: not a weight source andrea-export wrote: {why}")
     return source

@@ -35,6 +35,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import InputError
 from ..graphs.layout import KVLayout
+from ..names import MAX_SEED
 from .sampling import Sampling, next_token
 
 if TYPE_CHECKING:
@@ -245,6 +246,9 @@ class Session(abc.ABC):
                 )
             sampling = Sampling(r.strategy, r.temperature, r.top_k, r.top_p).check(cfg.vocab_size)
             stops = check_ids(list(r.stop_ids), cfg.vocab_size, "stop_ids") if len(r.stop_ids) else []
+            s = r.seed
+            if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s <= MAX_SEED):
+                raise InputError(f"seed must be an integer in 0..2**63-1 (or none), got {s!r}")
         except InputError as e:
             if where is None:
                 raise

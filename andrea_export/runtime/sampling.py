@@ -46,7 +46,9 @@ def next_token(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator)
     """The next token id from `logits` [vocab]."""
     if sampling.strategy == "greedy":
         return int(np.argmax(logits))
-    z = np.asarray(logits, dtype=np.float64) / sampling.temperature
+    z = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore"):  # a subnormal temperature: the maxima stay 0, the rest go to -inf (greedy)
+        z = (z - z.max()) / sampling.temperature
     if sampling.strategy == "top-k":
         k = int(sampling.top_k)
         cand = np.argpartition(-z, k - 1)[:k] if k < z.size else np.arange(z.size)

@@ -152,6 +152,10 @@ def test_sampling_is_seeded_and_stops(session, prompt):
         ([1], {"strategy": "top-k", "top_k": 0}, "top_k must be an integer in 1..8449 (the vocabulary size), got 0"),
         ([1], {"strategy": "top-p", "top_p": 1.5}, "top_p must be a number in (0, 1], got 1.5"),
         ([1], {"stop_ids": [9999]}, "stop_ids token id 9999 at position 0 is outside the vocabulary [0, 8449)"),
+        ([1], {"strategy": "top-k", "seed": -1}, "seed must be an integer in 0..2**63-1 (or none), got -1"),
+        ([1], {"strategy": "top-k", "seed": 2**63}, f"seed must be an integer in 0..2**63-1 (or none), got {2**63}"),
+        ([1], {"seed": 1.5}, "seed must be an integer in 0..2**63-1 (or none), got 1.5"),
+        ([1], {"seed": True}, "seed must be an integer in 0..2**63-1 (or none), got True"),
     ],
 )
 def test_generate_refuses_bad_input(session, args, kwargs, message):

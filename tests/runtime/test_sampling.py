@@ -46,3 +46,19 @@ def test_bool_is_not_a_number():
     with pytest.raises(InputError) as e:
         Sampling("top-k", top_k=True).check(10)
     assert str(e.value) == "top_k must be an integer in 1..10 (the vocabulary size), got True"
+
+
+@pytest.mark.parametrize("strategy", ["top-k", "top-p"])
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-300])
+def test_a_tiny_temperature_is_greedy_not_nan(strategy, temperature):
+    """Logits divided by a subnormal temperature overflow to inf; inf - inf is NaN, which numpy's draw refuses.
+    The limit of sampling as the temperature goes to 0 is greedy, so that is what a tiny one must give."""
+    logits = np.random.default_rng(3).standard_normal(500).astype(np.float32) * 30
+    s = Sampling(strategy, temperature=temperature, top_k=50, top_p=0.9).check(500)
+    assert {next_token(logits, s, np.random.default_rng(i)) for i in range(20)} == {int(np.argmax(logits))}
+
+
+def test_a_tiny_temperature_keeps_ties_among_the_maxima():
+    logits = np.array([1.0, 3.0, 3.0, -2.0], dtype=np.float32)
+    s = Sampling("top-k", temperature=1e-310, top_k=4).check(4)
+    assert {next_token(logits, s, np.random.default_rng(i)) for i in range(200)} == {1, 2}
