@@ -486,7 +486,12 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 
 @main.command()
 @click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address every endpoint listens on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address the OpenAI-compatible front listens on: the one endpoint meant for clients. 0.0.0.0: "
+                   "every interface (then set --api-key).")
+@click.option("--triton-host", default="127.0.0.1", show_default=True,
+              help="Address Triton's own HTTP, gRPC and metrics ports listen on. Wherever they do, its shared-memory, "
+                   "model-control, trace and logging APIs answer only the admin key.")
 @click.option("--port", "http_port", type=click.IntRange(0, 65535), default=8000, show_default=True,
               help="Triton's HTTP/REST port (KServe v2 and /generate). 0: a free one.")
 @click.option("--grpc-port", type=click.IntRange(0, 65535), default=8001, show_default=True)
@@ -495,6 +500,21 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @click.option("--openai-port", type=click.IntRange(0, 65535), default=9000, show_default=True,
               help="The OpenAI-compatible front (/v1/models, /v1/completions).")
 @click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible front.")
+@click.option("--api-key", envvar="ANDREA_EXPORT_API_KEY", default=None,
+              help="The key the front asks of every request but /health (Authorization: Bearer KEY). "
+                   "[default: $ANDREA_EXPORT_API_KEY, else none: any client is served]")
+@click.option("--served-model-name", default=None,
+              help="The model id the front serves (/v1/models). [default: the Triton model's name]")
+@click.option("--allowed-origins", multiple=True, metavar="ORIGIN",
+              help="Let browser pages from ORIGIN call the front (CORS); repeat for several. [default: none]")
+@click.option("--max-body-bytes", type=click.IntRange(1), default=1 << 20, show_default=True,
+              help="Largest request body the front reads (413 beyond).")
+@click.option("--max-connections", type=click.IntRange(1), default=512, show_default=True,
+              help="Connections the front holds at once (503 beyond).")
+@click.option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
+              help="Seconds a client has to send its whole request body (408 after).")
+@click.option("--access-log/--no-access-log", default=True, show_default=True,
+              help="One line a request on stderr: client, method, path, status, seconds (never the prompt).")
 @click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=8, show_default=True,
               help="Requests that share a decode step (in-flight batching slots).")
 @click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=64, show_default=True,
@@ -509,11 +529,15 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
               help="The serving environment (a venv with nvidia-pytriton, numpy < 2). [default: "
                    "$ANDREA_EXPORT_SERVE_ENV, else ./.venv-serve, made by `make serve-env`]")
 @_user_errors
-def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_openai, slots, prefill_chunk, step_tokens,
-          env):
+def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key,
+          served_model_name, allowed_origins, max_body_bytes, max_connections, read_timeout, access_log, slots,
+          prefill_chunk, step_tokens, env):
     """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
     streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
     front. Ctrl-C or SIGTERM stops accepting, finishes the requests in flight, and exits 0.
+
+    The front (--host, --openai-port) is what clients reach; Triton's own ports stay on 127.0.0.1 unless
+    --triton-host says otherwise.
 
     \b
       andrea-export serve out/demo
@@ -523,12 +547,24 @@ def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_o
     import signal
     import threading
 
-    from .deploy.server import start
-    from .progress import console, step
+    from .deploy.openai_front import Limits
+    from .deploy.server import FrontOptions, start
+    from .progress import console, step, warn
 
+    front = None if no_openai else FrontOptions(
+        host, openai_port, api_key, served_model_name,
+        Limits(max_body_bytes=max_body_bytes, max_connections=max_connections, read_timeout_s=read_timeout),
+        tuple(allowed_origins), access_log)
+    for what, where, guarded in (("the OpenAI front", None if no_openai else host, api_key), ("Triton", triton_host, None)):
+        if where is not None and not _loopback(where):
+            warn(f"{what} listens on {where}, beyond this machine"
+                 + ("" if guarded else ": anyone who reaches it is served (no key" +
+                    ("; set --api-key)" if what != "Triton" else "; keep --triton-host on 127.0.0.1)")))
+    if access_log:
+        _log_front_requests()
     with step(f"Starting Triton Inference Server on {build_dir} (waiting for the model to be READY)"):
-        server = start(build_dir, host=host, http_port=http_port, grpc_port=grpc_port, metrics_port=metrics_port,
-                       openai_port=None if no_openai else openai_port, slots=slots, prefill_chunk=prefill_chunk,
+        server = start(build_dir, host=triton_host, http_port=http_port, grpc_port=grpc_port,
+                       metrics_port=metrics_port, front=front, slots=slots, prefill_chunk=prefill_chunk,
                        step_tokens=step_tokens, env=env)
     for kind, url in server.endpoints().items():
         console.print(f"  {kind:16s} {url}", markup=False, highlight=False)
@@ -546,9 +582,30 @@ def serve(build_dir, host, http_port, grpc_port, metrics_port, openai_port, no_o
     console.print("Stopping: finishing the requests in flight", markup=False)
     code = server.stop()
     if code != 0:  # e.g. idle keep-alive clients held it open past its exit timeout: the requests had ended
-        from .progress import warn
-
         warn(f"tritonserver exited with code {code}; its log ended:\n" + "\n".join(server.log_tail().splitlines()[-4:]))
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _log_front_requests() -> None:
+    """The front's access log, one plain line a request on stderr."""
+    import logging
+
+    from .deploy.openai_front import ACCESS_LOG
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+    log = logging.getLogger(ACCESS_LOG)
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
 
 
 @main.command("train-demo")

@@ -1,229 +1,230 @@
-"""An OpenAI-compatible front for `serve`: /v1/models and /v1/completions (streaming as server-sent events), in
-front of the Triton server as Triton's own OpenAI frontend is, so the official `openai` client, LangChain and
-load tools (aiperf, guidellm) talk to the generate model unchanged.
+"""The OpenAI-compatible front of `serve`, on FastAPI and uvicorn as vLLM's and `trtllm-serve`'s are: /v1/models,
+/v1/models/{id} and /v1/completions (streamed as server-sent events), in front of the Triton server's generate
+model, so the official `openai` client, LangChain and load tools talk to it unchanged. It is the one listener
+`serve` puts beyond loopback; Triton's own ports stay on 127.0.0.1 (deploy/server.py).
 
-A thin layer, not a second engine: each completion is one request to the generate model's
-/generate_stream, its tokens passed on as they come. Supported: prompt (one string, or one list of token
-ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p, seed, stop (strings, matched in
-the text; the upstream request is dropped there, which frees its slot), stream. n > 1, echo, logprobs,
-best_of and suffix are refused with a 400 naming them.
+Every limit comes before the work it guards, each refused with an OpenAI-shaped error: connections beyond
+`max_connections` get 503 (uvicorn's limit); the API key, when one is set, on every route but /health; the body's
+size, read within `read_timeout_s`, and its JSON depth before it is parsed; a text prompt's bytes against what the
+context can hold at most (`prompt_byte_bound`) before it is tokenized, in a worker thread off the event loop; its
+tokens and `max_tokens` against the context before Triton sees the request.
+
+A thin layer, not a second engine: each completion is one request to the generate model's /generate_stream
+(token ids, tokenized here), its tokens passed on as they come; a client that leaves, or a stop string that
+matches, closes that request, which frees its slot at the next step. Honoured: prompt (one string or one list of
+token ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p, seed, stop (strings, matched in
+the text), stream, stream_options.include_usage. Refused with a 400 naming the field: n > 1 and every other
+sampling field (echo, logprobs, best_of, suffix, logit_bias, presence_penalty, frequency_penalty).
 """
 
-from __future__ import annotations
-
+import contextlib
+import dataclasses
 import functools
+import hmac
 import json
+import logging
+import math
+import socket
 import threading
 import time
-import urllib.error
-import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import AsyncGenerator, AsyncIterator
+from typing import Annotated, Any
 
-MAX_BODY = 1 << 20
-UNSUPPORTED = ("echo", "logprobs", "best_of", "suffix", "logit_bias")
+from .. import userfiles
+from ..names import MAX_SEED
+from .triton.served import longest_token_bytes
+
+UNSUPPORTED = ("echo", "logprobs", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
+ACCESS_LOG = "andrea_export.front.access"  # one line a request: client, method, path, status (never a prompt)
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """What one client may take of the front, each checked before the work it guards."""
+
+    max_body_bytes: int = 1 << 20  # a request body; 413 beyond
+    max_connections: int = 512  # open connections at once; 503 beyond
+    read_timeout_s: float = 30.0  # to send the whole body; 408 after
+    keep_alive_s: int = 5  # an idle connection between requests is closed after
+    backlog: int = 2048  # connections the kernel queues before accept (a burst of clients)
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """What the front must know of the served model to check a request before Triton sees it."""
+
+    name: str  # the id clients ask for (--served-model-name), and the Triton model's, if not given apart
+    triton_name: str
+    n_positions: int
+    vocab_size: int
+    tokenizer: Any = None  # a tokenizers.Tokenizer, or None: token-id prompts only
+
+    @property
+    def prompt_byte_bound(self) -> int:
+        """The most UTF-8 bytes a prompt that fits the context can have: every token covers at most the bytes of
+        the longest one, so a longer text cannot fit, and is refused before it is tokenized."""
+        return self.n_positions * longest_token_bytes(self.tokenizer)
 
 
 class FrontError(Exception):
-    def __init__(self, message: str, status: int = 400):
+    def __init__(self, message: str, status: int = 400, code: str | None = None):
         super().__init__(message)
-        self.status = status
+        self.status, self.code = status, code
 
 
-def start_front(server, host: str, port: int, tokenizer=None) -> ThreadingHTTPServer:
-    """Serve the front on host:port in a daemon thread; `server` is the running deploy.server.Server."""
-    httpd = ThreadingHTTPServer((host, port), _handler(server, tokenizer))
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, name="andrea-openai-front", daemon=True).start()
-    return httpd
+def _error(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
-def _handler(server, tokenizer) -> type[CompletionsHandler]:
-    """The handler class of one front: CompletionsHandler bound to the server's model and its upstream."""
-    upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
-    return type("Handler", (CompletionsHandler,), {"model": server.model, "upstream": upstream, "tokenizer": tokenizer})
+# -- the request -------------------------------------------------------------------------------------------
+@functools.cache
+def _completion_request():
+    """The pydantic model of a completions request, strict (a string is not a number, "false" is not false);
+    fields it does not name pass (`user`, ...), those in UNSUPPORTED are refused by `parse`."""
+    from pydantic import BaseModel, ConfigDict, Field
+
+    class StreamOptions(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+        include_usage: bool = False
+
+    class CompletionRequest(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+        model: str | None = None
+        prompt: str | list[int] | list[str] | list[list[int]]
+        max_tokens: Annotated[int, Field(ge=1)] = 16
+        temperature: Annotated[float, Field(ge=0)] = 1.0
+        top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+        seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
+        stop: str | list[str] | None = None
+        stream: bool = False
+        stream_options: StreamOptions | None = None
+        n: int = 1
+
+    return CompletionRequest
 
 
-class CompletionsHandler(BaseHTTPRequestHandler):
-    """/health, /v1/models and /v1/completions, each completion one upstream request to the generate model."""
+@dataclasses.dataclass
+class Completion:
+    """A checked request: the prompt still as given (text is tokenized later, off the event loop)."""
 
-    protocol_version = "HTTP/1.1"
-    model: str = ""
-    upstream: str = ""  # the generate model's /generate_stream
-    tokenizer = None
-
-    def log_message(self, *args):  # quiet: Triton logs the requests
-        pass
-
-    def do_GET(self):
-        if self.path in ("/health", "/v1/health"):
-            return self._json(200, {"status": "ok"})
-        if self.path == "/v1/models":
-            return self._json(200, {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0,
-                                                                "owned_by": "andrea-export"}]})  # fmt: skip
-        self._json(404, _error(f"no route {self.path}", "not_found"))
-
-    def do_POST(self):
-        try:
-            body = self._body()  # read before any answer, so the connection stays in step
-        except FrontError as e:
-            self.close_connection = True
-            return self._json(e.status, _error(str(e)))
-        if self.path != "/v1/completions":
-            return self._json(404, _error(f"no route {self.path}", "not_found"))
-        try:
-            feed, stops, stream = _translate(body, self.model)
-        except FrontError as e:
-            return self._json(e.status, _error(str(e)))
-        chunk = functools.partial(_chunk, f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time()), self.model)
-        pieces = _completion(self.upstream, feed, stops)
-        try:
-            first = next(pieces)  # an upstream error comes before any token: answer it as an error
-        except FrontError as e:
-            return self._json(e.status, _error(str(e)))
-        if stream:
-            self._stream(chunk, first, pieces)
-        else:
-            self._whole(chunk, first, pieces, feed)
-
-    def _whole(self, chunk, first: tuple, pieces, feed: dict) -> None:
-        """The completion in one JSON answer, with its token usage."""
-        text, count, finish = first[0], first[1], first[2]
-        for t, n, f in pieces:
-            text, count, finish = text + t, count + n, f or finish
-        doc = chunk(text, finish)
-        doc["usage"] = _usage(self.tokenizer, feed, count)
-        self._json(200, doc)
-
-    def _stream(self, chunk, first: tuple, pieces) -> None:
-        """The completion as server-sent events, each piece as it comes; a client that leaves drops the
-        upstream request too."""
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream")
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")
-        self.end_headers()
-        try:
-            self._event(chunk(first[0], first[2]))
-            if not first[2]:
-                for text, _, finish in pieces:
-                    self._event(chunk(text, finish))
-            self.wfile.write(b"data: [DONE]\n\n")
-        except (BrokenPipeError, ConnectionResetError):
-            pieces.close()
-        except FrontError as e:
-            self._event({"error": _error(str(e))["error"]})
-        self.close_connection = True
-
-    def _body(self) -> dict:
-        length = self.headers.get("Content-Length")
-        if self.headers.get("Transfer-Encoding") or length is None or not length.strip().isdigit():
-            raise FrontError("a JSON body with a Content-Length is needed", 411)
-        n = int(length)
-        if n > MAX_BODY:
-            raise FrontError(f"request body of {n} bytes is over the {MAX_BODY} allowed", 413)
-        try:
-            body = json.loads(self.rfile.read(n) or b"{}")
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise FrontError(f"the body is not JSON: {str(e)[:200]}") from None
-        if not isinstance(body, dict):
-            raise FrontError("the body must be a JSON object")
-        return body
-
-    def _event(self, doc):
-        self.wfile.write(b"data: " + json.dumps(doc).encode() + b"\n\n")
-        self.wfile.flush()
-
-    def _json(self, status: int, doc: dict):
-        data = json.dumps(doc).encode()
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+    prompt: str | list[int]
+    feed: dict  # the generate model's inputs but the prompt
+    stops: list[str]
+    stream: bool
+    include_usage: bool
 
 
-def _chunk(cid: str, created: int, model: str, text: str, finish: str | None = None) -> dict:
-    """One text_completion object: the whole answer, or one event of a stream."""
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+def parse(body: dict, model: Model) -> Completion:
+    """A completions request checked against what this server serves (FrontError naming the field)."""
+    from pydantic import ValidationError
 
-
-def _error(message: str, kind: str = "invalid_request_error") -> dict:
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
-
-
-def _translate(body: dict, model: str) -> tuple[dict, list[str], bool]:
-    """The generate model's inputs for an OpenAI completions request, its stop strings and whether it streams."""
-    if body.get("model") not in (None, model):
-        raise FrontError(f"model {body.get('model')!r} is not served here; this server has {model!r}", 404)
+    if body.get("model") not in (None, model.name):
+        raise FrontError(f"model {str(body.get('model'))[:100]!r} is not served here; this server has {model.name!r}",
+                         404, "model_not_found")
     for key in UNSUPPORTED:
         if body.get(key) not in (None, False, 0):
             raise FrontError(f"{key} is not supported by this server")
-    if body.get("n", 1) != 1:
-        raise FrontError("n: only 1 completion per request is supported")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    feed: dict = {}
-    if isinstance(prompt, str):
-        feed["text_input"] = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        feed["input_ids"] = prompt
-    else:
-        raise FrontError("prompt: one string or one list of token ids")
-    max_tokens = body.get("max_tokens", 16)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool):
-        raise FrontError("max_tokens: an integer")
-    feed["max_tokens"] = max_tokens
-    temperature = body.get("temperature", 1.0)
-    if not isinstance(temperature, (int, float)) or isinstance(temperature, bool) or temperature < 0:
-        raise FrontError("temperature: a number >= 0")
-    feed["temperature"] = float(temperature)
-    for key, kind in (("top_p", (int, float)), ("seed", int)):
-        if body.get(key) is not None:
-            if not isinstance(body[key], kind) or isinstance(body[key], bool):
-                raise FrontError(f"{key}: a {'number' if key == 'top_p' else 'integer'}")
-            feed[key] = body[key]
-    stop = body.get("stop") or []
-    stops = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops) or len(stops) > 4:
-        raise FrontError("stop: a string or up to 4 non-empty strings")
-    feed["stream"] = True
-    return feed, stops, bool(body.get("stream", False))
-
-
-def _completion(upstream: str, feed: dict, stops: list[str]):
-    """(new text, tokens, finish_reason or None) pieces from the generate model's stream; stops at a stop string
-    (closing the upstream request, so its slot is freed at the next step)."""
-    req = urllib.request.Request(upstream, data=json.dumps(feed).encode(), headers={"Content-Type": "application/json"})
     try:
-        resp = urllib.request.urlopen(req, timeout=600)
-    except urllib.error.HTTPError as e:
-        raise FrontError(_upstream_error(e.read()), 400 if e.code < 500 else 502) from None
-    except OSError as e:
+        r = _completion_request().model_validate(body)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first["loc"][:2]) or "body"
+        raise FrontError(f"{where}: {first['msg']}") from None
+    if r.n != 1:
+        raise FrontError("n: only 1 completion per request is supported")
+    prompt = r.prompt[0] if isinstance(r.prompt, list) and len(r.prompt) == 1 and isinstance(r.prompt[0], (str, list)) \
+        else r.prompt
+    if not (isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt))):
+        raise FrontError("prompt: one string or one list of token ids")
+    stops = [r.stop] if isinstance(r.stop, str) else (r.stop or [])
+    if len(stops) > 4 or not all(stops):
+        raise FrontError("stop: a string or up to 4 non-empty strings")
+    feed: dict = {"max_tokens": r.max_tokens, "temperature": float(r.temperature), "stream": True}
+    feed.update({k: v for k, v in (("top_p", r.top_p), ("seed", r.seed)) if v is not None})
+    return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage))
+
+
+async def prompt_ids(c: Completion, model: Model) -> list[int]:
+    """The prompt's token ids, checked against the vocabulary and the context; a text prompt bounded in bytes
+    before it is tokenized, and tokenized in a worker thread."""
+    import anyio
+
+    if isinstance(c.prompt, str):
+        if model.tokenizer is None:
+            raise FrontError("prompt: this build has no tokenizer (build --tokenizer); send a list of token ids")
+        size, bound = len(c.prompt.encode("utf-8", "surrogatepass")), model.prompt_byte_bound
+        if size > bound:
+            raise FrontError(f"prompt: {size:,} bytes cannot fit the model's context of {model.n_positions} tokens "
+                             f"(at most {bound:,} bytes)", code="context_length_exceeded")
+        ids = (await anyio.to_thread.run_sync(model.tokenizer.encode, c.prompt)).ids
+    else:
+        ids = c.prompt
+        if (bad := next((t for t in ids if not 0 <= t < model.vocab_size), None)) is not None:
+            raise FrontError(f"prompt: token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+    n = c.feed["max_tokens"]
+    if len(ids) + n > model.n_positions:
+        raise FrontError(f"prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the model's context "
+                         f"of {model.n_positions} tokens", code="context_length_exceeded")
+    return ids
+
+
+async def read_body(request, limits: Limits) -> dict:
+    """The body as a JSON object: at most max_body_bytes (refused by its Content-Length before it is read),
+    all of it within read_timeout_s, nested at most userfiles.MAX_JSON_DEPTH deep."""
+    import anyio
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise FrontError(f"request body of {int(declared):,} bytes is over the {limits.max_body_bytes:,} allowed", 413)
+    data = bytearray()
+    try:
+        with anyio.fail_after(limits.read_timeout_s):
+            async for piece in request.stream():
+                data += piece
+                if len(data) > limits.max_body_bytes:
+                    raise FrontError(f"request body over the {limits.max_body_bytes:,} bytes allowed", 413)
+    except TimeoutError:
+        raise FrontError(f"the request body did not arrive within {limits.read_timeout_s:g} s", 408) from None
+    if not data:
+        raise FrontError("a JSON object body is needed")
+    body = userfiles.loads_json(bytes(data), "request", "the body", FrontError)
+    if not isinstance(body, dict):
+        raise FrontError("the body must be a JSON object")
+    return body
+
+
+# -- the answer --------------------------------------------------------------------------------------------
+async def pieces(client, upstream: str, feed: dict, stops: list[str]) -> AsyncGenerator[tuple[str, int, str | None], None]:
+    """(new text, tokens, finish_reason or None) from the generate model's stream; ends at a stop string, which
+    closes the upstream request (its slot is freed at the next step)."""
+    import httpx
+
+    text, count, sent, keep = "", 0, 0, max((len(s) for s in stops), default=1) - 1
+    try:
+        async with client.stream("POST", upstream, json=feed) as resp:
+            if resp.status_code != 200:
+                raise FrontError(_upstream_error(await resp.aread()), 400 if resp.status_code < 500 else 502)
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                doc = json.loads(line[6:])
+                if "error" in doc:
+                    raise FrontError(str(doc["error"]))
+                ids = doc.get("output_ids", [])
+                count += len(ids) if isinstance(ids, list) else 1
+                text += doc.get("text_output", "")
+                hit = min((i for s in stops if (i := text.find(s, max(0, sent - keep))) >= 0), default=-1)
+                if hit >= 0:
+                    yield text[sent:hit], count, "stop"
+                    return
+                safe = len(text) - keep if stops else len(text)  # hold back what could start a stop string
+                if safe > sent:
+                    yield text[sent:safe], count, None
+                    sent, count = safe, 0
+    except httpx.HTTPError as e:
         raise FrontError(f"the Triton server did not answer: {e}", 502) from None
-    text, count, keep = "", 0, max((len(s) for s in stops), default=1) - 1
-    sent = 0
-    with resp:
-        for line in resp:
-            if not line.startswith(b"data: "):
-                continue
-            doc = json.loads(line[6:])
-            if "error" in doc:
-                raise FrontError(str(doc["error"]))
-            ids = doc.get("output_ids", [])
-            count += len(ids) if isinstance(ids, list) else 1
-            text += doc.get("text_output", "")
-            hit = min((i for s in stops if (i := text.find(s, max(0, sent - keep))) >= 0), default=-1)
-            if hit >= 0:
-                yield text[sent:hit], count, "stop"
-                return
-            safe = len(text) - keep if stops else len(text)  # hold back what could start a stop string
-            if safe > sent:
-                yield text[sent:safe], count, None
-                sent, count = safe, 0
-    yield text[sent:], count, "length"  # the generate model ended it: max_tokens, or a stop id
+    yield text[sent:], count, "length"  # the generate model ended it at max_tokens
 
 
 def _upstream_error(body: bytes) -> str:
@@ -232,10 +233,225 @@ def _upstream_error(body: bytes) -> str:
     try:
         return str(json.loads(text.removeprefix("data:").strip()).get("error", text))
     except (ValueError, AttributeError):
-        return text
+        return text[:500]
 
 
-def _usage(tokenizer, feed: dict, completion_tokens: int) -> dict:
-    prompt = len(feed["input_ids"]) if "input_ids" in feed else (
-        len(tokenizer.encode(feed["text_input"]).ids) if tokenizer is not None else 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
+def _chunk(cid: str, created: int, model: str, text: str, finish: str | None = None) -> dict:
+    """One text_completion object: the whole answer, or one event of a stream."""
+    return {"id": cid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _event(doc: dict) -> bytes:
+    return b"data: " + json.dumps(doc).encode() + b"\n\n"
+
+
+# -- the app -----------------------------------------------------------------------------------------------
+def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits: Limits = Limits(),
+             allowed_origins: tuple[str, ...] = (), access_log: bool = False):
+    """The FastAPI app of one front: `upstream` is the generate model's /generate_stream URL."""
+    import httpx
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.responses import StreamingResponse
+
+    state: dict = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app):
+        pool = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=64)
+        async with httpx.AsyncClient(limits=pool, timeout=httpx.Timeout(600, connect=10, pool=None)) as client:
+            state["client"] = client
+            yield
+
+    app = FastAPI(title="andrea-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if access_log:
+        app.add_middleware(_AccessLog)
+    if allowed_origins:
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+
+    _answer_errors_as_openai_does(app)
+    authorized = _key_check(api_key)
+
+    @app.get("/health")
+    @app.get("/v1/health")
+    async def health():
+        return {"status": "ok"}
+
+    card = {"id": model.name, "object": "model", "created": 0, "owned_by": "andrea-export",
+            "max_model_len": model.n_positions}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models():
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{name:path}", dependencies=[Depends(authorized)])
+    async def one_model(name: str):
+        if name != model.name:
+            raise FrontError(f"model {name[:100]!r} is not served here; this server has {model.name!r}", 404,
+                             "model_not_found")
+        return card
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    async def completions(request: Request):
+        c = parse(await read_body(request, limits), model)
+        ids = await prompt_ids(c, model)
+        answer = pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops)
+        try:
+            first = await anext(answer)  # an upstream error comes before any token: answer it as an error
+        except BaseException:
+            await answer.aclose()
+            raise
+        chunk = _chunker(model.name)
+        if c.stream:
+            return StreamingResponse(_events(chunk, first, answer, len(ids), c.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(request, chunk, first, answer, len(ids))
+
+    return app
+
+
+def _answer_errors_as_openai_does(app) -> None:
+    """Every refusal, ours or the framework's (no such route, wrong method), as an OpenAI-shaped JSON error."""
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(FrontError)
+    async def front_error(_request, e: FrontError):
+        kind = "authentication_error" if e.status == 401 else "invalid_request_error"
+        return JSONResponse(_error(str(e), kind, e.code), e.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        message = f"no route {request.url.path[:200]}" if e.status_code == 404 else str(e.detail)
+        return JSONResponse(_error(message, "not_found" if e.status_code == 404 else "invalid_request_error"),
+                            e.status_code)
+
+
+def _key_check(api_key: str | None):
+    """The dependency each route but /health runs: the request's bearer token against `api_key`, in constant
+    time (none set: every request passes)."""
+    from fastapi import Request
+
+    def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+            raise FrontError("a valid API key is needed: Authorization: Bearer <key>", 401, "invalid_api_key")
+
+    return authorized
+
+
+def _chunker(model_name: str):
+    cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    return lambda text, finish=None: _chunk(cid, created, model_name, text, finish)
+
+
+async def _whole(request, chunk, first: tuple, answer, prompt_tokens: int) -> dict:
+    """The completion in one JSON answer, with its usage; a client that leaves first ends the upstream request."""
+    text, count, finish = first
+    try:
+        async for t, n, f in answer:
+            text, count, finish = text + t, count + n, f or finish
+            if await request.is_disconnected():
+                raise FrontError("the client left", 499)
+    finally:
+        await answer.aclose()
+    return {**chunk(text, finish), "usage": _usage(prompt_tokens, count)}
+
+
+async def _events(chunk, first: tuple, answer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+    """The completion as server-sent events: each piece as it comes, the finish reason on the last, usage after
+    it when asked, then [DONE]; an error after the first token is one final error event."""
+    count = first[1]
+    try:
+        yield _event(chunk(first[0], first[2]))
+        if first[2] is None:
+            async for text, n, finish in answer:
+                count += n
+                yield _event(chunk(text, finish))
+        if include_usage:
+            yield _event({**chunk("", None), "choices": [], "usage": _usage(prompt_tokens, count)})
+    except FrontError as e:
+        yield _event(_error(str(e)))
+    finally:
+        await answer.aclose()
+    yield b"data: [DONE]\n\n"
+
+
+# -- running it --------------------------------------------------------------------------------------------
+class Front:
+    """A running front: uvicorn in a thread of its own, on a socket bound before it starts (so a port in use or
+    a bad host is an OSError here, not a log line in that thread)."""
+
+    def __init__(self, app, host: str, port: int, limits: Limits, drain_timeout_s: float = 30):
+        import uvicorn
+
+        self.socket = socket.create_server((host, port), backlog=limits.backlog,
+                                           family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self.port = self.socket.getsockname()[1]
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="on", backlog=limits.backlog,
+                                limit_concurrency=limits.max_connections, timeout_keep_alive=limits.keep_alive_s,
+                                timeout_graceful_shutdown=math.ceil(drain_timeout_s), server_header=False)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       name="andrea-openai-front", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        if not self.server.started:
+            self.stop(1)
+            raise OSError(f"the front did not start on {host}:{port}")
+
+    def stop(self, timeout: float = 60) -> None:
+        """Stop accepting; let the answers in flight finish (each stream to its end or its error event)."""
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(5)
+        with contextlib.suppress(OSError):
+            self.socket.close()
+
+
+class _AccessLog:
+    """ASGI middleware: one line a request on ACCESS_LOG, when it ends: client, method, path, status, seconds."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.monotonic(), [0]
+
+        async def sending(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            client = scope.get("client") or ("-", 0)
+            logging.getLogger(ACCESS_LOG).info('%s:%s "%s %s" %s %.3f s', client[0], client[1], scope["method"],
+                                               scope["path"][:200], status[0] or "-", time.monotonic() - t0)
+
+
+def start_front(model: Model, upstream: str, host: str, port: int, *, api_key: str | None = None,
+                limits: Limits = Limits(), allowed_origins: tuple[str, ...] = (), access_log: bool = False,
+                drain_timeout_s: float = 30) -> Front:
+    """Serve the front on host:port (0: a free one) in a thread; OSError if it cannot listen there."""
+    app = make_app(model, upstream, api_key=api_key, limits=limits, allowed_origins=allowed_origins,
+                   access_log=access_log)
+    return Front(app, host, port, limits, drain_timeout_s)
+

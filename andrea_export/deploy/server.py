@@ -11,15 +11,23 @@ in a serving environment of its own, made by `make serve-env` (.venv-serve: nvid
 runtime's packages, andrea-export itself without its build dependencies); `--env`, $ANDREA_EXPORT_SERVE_ENV
 or ./.venv-serve says where. The Python-backend stub runs the model in that environment's Python.
 
+The front (openai_front.py) is the one listener meant for clients; Triton's HTTP, gRPC and metrics ports stay on
+127.0.0.1 unless `triton_host` says otherwise, and even there shared memory, model control, tracing and logging
+answer only a request that carries the admin key (Triton's restricted APIs; `Server.admin_key`). Every port is
+checked free before anything starts, so a port held by another server is one clear error, never that server's
+readiness taken for ours.
+
 On a GPU host, serve the repository that `package --triton` writes with NVIDIA's Triton container instead
-(docs/deploying.md). Everything listens on 127.0.0.1 unless told otherwise.
+(docs/deploying.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -42,8 +50,26 @@ print(json.dumps({"dist": str(root / "tritonserver"), "libs": str(root.parent / 
 """
 
 
+ADMIN_HEADER = "andrea-admin-key"  # what Triton's restricted APIs ask of a request
+RESTRICTED = "shared-memory,model-repository,trace,logging"  # Triton APIs no client of a model needs
+
+
 class ServeError(AndreaExportError):
     """The server could not be started or did not become ready."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontOptions:
+    """The OpenAI-compatible front: where it listens, the key it asks for, the name it serves the model as, and
+    what one client may take of it (openai_front.Limits)."""
+
+    host: str = "127.0.0.1"
+    port: int = 9000  # 0: a free one
+    api_key: str | None = None
+    served_model_name: str | None = None  # default: the Triton model's name
+    limits: Any = None  # openai_front.Limits; None: its defaults
+    allowed_origins: tuple[str, ...] = ()  # CORS, for browsers on those origins
+    access_log: bool = False  # one line a request (no prompt text) on openai_front.ACCESS_LOG
 
 
 def serve_python(env: str | Path | None = None) -> Path:
@@ -76,17 +102,38 @@ def triton_dist(python: Path) -> dict:
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _check_free(host: str, port: int, what: str) -> int:
+    """`port` on `host`, if nothing listens there (ServeError in one line otherwise, naming what wanted it).
+    Port 0 checks the host alone."""
+    try:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection's TIME_WAIT is no listener
+            s.bind((host, port))
+    except socket.gaierror as e:
+        raise ServeError(f"{what}: no such address {host!r} ({e.strerror})") from None
+    except OSError as e:
+        raise ServeError(f"{what}: cannot listen on {host}:{port} ({e.strerror}; another server? choose another "
+                         "port, or 0 for a free one)") from None
+    return port
 
 
 class Server:
     """A running tritonserver (and its OpenAI front, when started with one)."""
 
-    def __init__(self, process, workspace: Path, model: str, host: str, ports: dict, log: Path):
+    def __init__(self, process, workspace: Path, model: str, host: str, ports: dict, log: Path, admin_key: str):
         self.process, self.workspace, self.model, self.host, self.ports, self.log = process, workspace, model, host, ports, log
-        self.front: Any = None  # openai_front's HTTP server, when started
+        self.admin_key = admin_key  # the ADMIN_HEADER value Triton's restricted APIs ask for (admin_headers)
+        self.front: Any = None  # openai_front.Front, when started
+        self.front_host = host
+
+    def admin_headers(self, kind: str = "http") -> dict[str, str]:
+        """The header that opens Triton's restricted APIs to a request (gRPC prefixes its name, as Triton asks)."""
+        return {("triton-grpc-protocol-" if kind == "grpc" else "") + ADMIN_HEADER: self.admin_key}
 
     def url(self, kind: str = "http") -> str:
         return f"http://{self.host}:{self.ports[kind]}" if kind != "grpc" else f"{self.host}:{self.ports['grpc']}"
@@ -96,7 +143,8 @@ class Server:
                "generate": f"{self.url()}/v2/models/{self.model}/generate",
                "generate_stream": f"{self.url()}/v2/models/{self.model}/generate_stream"}
         if self.front is not None:
-            out["openai"] = f"http://{self.host}:{self.ports['openai']}/v1"
+            host = f"[{self.front_host}]" if ":" in self.front_host else self.front_host
+            out["openai"] = f"http://{host}:{self.ports['openai']}/v1"
         return out
 
     def log_tail(self, lines: int = 30) -> str:
@@ -110,8 +158,8 @@ class Server:
     def stop(self, timeout: float = 60) -> int:
         """Stop accepting, let the requests in flight finish (Triton's own shutdown on SIGTERM, up to its
         exit timeout), then remove the workspace. Returns tritonserver's exit code."""
-        if self.front is not None:
-            self.front.shutdown()
+        if self.front is not None:  # first, while Triton still answers its streams
+            self.front.stop(timeout)
         code = self.process.poll()
         if code is None:
             self.process.send_signal(signal.SIGTERM)
@@ -132,12 +180,23 @@ class Server:
 
 
 def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, openai_port: int | None = None, slots: int = 8, prefill_chunk: int = 64,
-          step_tokens: int | None = None, admit: str = "in-flight", env: str | Path | None = None, ready_timeout: float = 180,
-          exit_timeout: int = 30) -> Server:
+          metrics_port: int = 8002, openai_port: int | None = None, front: FrontOptions | None = None, slots: int = 8,
+          prefill_chunk: int = 64, step_tokens: int | None = None, admit: str = "in-flight",
+          env: str | Path | None = None, ready_timeout: float = 180, exit_timeout: int = 30,
+          admin_key: str | None = None) -> Server:
     """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY
-    (ServeError with the server's log when it does not get there). Port 0: a free one."""
+    (ServeError with the server's log when it does not get there), then the OpenAI front when `front` is given
+    (or `openai_port`: the front with its defaults on that port). `host`: where Triton's ports listen. Port 0:
+    a free one."""
     from .triton.generate import write_generate_model
+
+    if front is None and openai_port is not None:
+        front = FrontOptions(port=openai_port)
+    if front is not None:  # before anything is written or started
+        if front.api_key is not None and not front.api_key.strip():
+            raise ServeError("the API key is empty: give one (--api-key, $ANDREA_EXPORT_API_KEY) or none")
+        _check_front_packages()
+        _check_free(front.host, front.port, "the OpenAI front")
 
     workspace = Path(tempfile.mkdtemp(prefix="andrea-serve-"))
     try:
@@ -148,29 +207,57 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
         raise
     server = start_repository(workspace / "models", model, host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, env=env, ready_timeout=ready_timeout,
-                              exit_timeout=exit_timeout, workspace=workspace)
-    if openai_port is not None:
-        from .openai_front import start_front
-
+                              exit_timeout=exit_timeout, workspace=workspace, admin_key=admin_key)
+    if front is not None:
         try:
-            server.ports["openai"] = openai_port or free_port(host)
-            server.front = start_front(server, host, server.ports["openai"], _tokenizer(build_dir))
+            _start_front(server, build_dir, front, exit_timeout)
         except BaseException:
             server.stop(timeout=10)
             raise
     return server
 
 
+def _check_front_packages() -> None:
+    import importlib.util
+
+    if missing := [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]:
+        raise ServeError(f"the OpenAI front needs {', '.join(missing)}: pip install 'andrea-export[serve]' "
+                         "(or serve without it: --no-openai)")
+
+
+def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: float) -> None:
+    from ..folder.reader import read_manifest
+    from .openai_front import Limits, Model, start_front
+
+    cfg = read_manifest(build_dir, full=False)["model"]
+    model = Model(opts.served_model_name or server.model, server.model, cfg["n_positions"], cfg["vocab_size"],
+                  _tokenizer(build_dir))
+    upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
+    try:
+        server.front = start_front(model, upstream, opts.host, opts.port, api_key=opts.api_key,
+                                   limits=opts.limits or Limits(), allowed_origins=opts.allowed_origins,
+                                   access_log=opts.access_log, drain_timeout_s=drain_timeout)
+    except OSError as e:
+        raise ServeError(f"the OpenAI front cannot listen on {opts.host}:{opts.port}: {e.strerror or e}") from None
+    server.ports["openai"], server.front_host = server.front.port, opts.host
+
+
 def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", http_port: int = 8000,
                      grpc_port: int = 8001, metrics_port: int = 8002, env: str | Path | None = None,
-                     ready_timeout: float = 180, exit_timeout: int = 30, workspace: Path | None = None) -> Server:
+                     ready_timeout: float = 180, exit_timeout: int = 30, workspace: Path | None = None,
+                     admin_key: str | None = None) -> Server:
     """Start tritonserver on a model repository (`package --triton` writes one) and wait until `model` is READY.
-    The server's backends and log go to `workspace` (a new temporary folder by default), removed by stop()."""
-    python = serve_python(env)
-    dist = triton_dist(python)
-    ports = {k: (p or free_port(host)) for k, p in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port))}
+    The server's backends and log go to `workspace` (a new temporary folder by default), removed by stop().
+    `admin_key`: what Triton's restricted APIs ask for (default: a new random one, Server.admin_key)."""
     workspace = workspace or Path(tempfile.mkdtemp(prefix="andrea-serve-"))
     try:
+        python = serve_python(env)
+        dist = triton_dist(python)
+        ports = {}
+        for kind, p in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
+            ports[kind] = _check_free(host, p, f"Triton's {kind} port") if p else free_port(host)
+        admin_key = admin_key or secrets.token_urlsafe(24)
+        guard = f"{RESTRICTED}:{ADMIN_HEADER}={admin_key}"
         backends = workspace / "backends"
         shutil.copytree(Path(dist["dist"]) / "backends", backends)  # the stub for this Python goes beside the backend
         shutil.copy(Path(dist["dist"]) / "python_backend_stubs" / dist["python"] / "triton_python_backend_stub",
@@ -179,7 +266,8 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
                f"--backend-directory={backends}", f"--cache-directory={Path(dist['dist']) / 'caches'}",
                f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
                f"--grpc-port={ports['grpc']}", f"--metrics-address={host}", f"--metrics-port={ports['metrics']}",
-               "--allow-gpu-metrics=false", f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true"]
+               "--allow-gpu-metrics=false", f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true",
+               f"--http-restricted-api={guard}", f"--grpc-restricted-protocol={guard}"]
         child_env = dict(os.environ, PATH=f"{python.parent}:{os.environ.get('PATH', '')}",
                          LD_LIBRARY_PATH=":".join(filter(None, [os.environ.get("LD_LIBRARY_PATH"), dist["libs"]])))
         log = workspace / "tritonserver.log"
@@ -190,7 +278,7 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
-    server = Server(process, workspace, model, host, ports, log)
+    server = Server(process, workspace, model, host, ports, log, admin_key)
     try:
         _wait_ready(server, ready_timeout)
     except KeyboardInterrupt:
@@ -212,7 +300,7 @@ def _die_with_parent(cmd: list[str]) -> list[str]:
 
 
 def _tokenizer(build_dir):
-    """The build's tokenizer (usage counts of the OpenAI front), or None."""
+    """The build's tokenizer (the OpenAI front tokenizes text prompts), or None."""
     from ..runtime import tokenizer_path
 
     path = tokenizer_path(build_dir)
@@ -231,7 +319,7 @@ def _wait_ready(server: Server, timeout: float) -> None:
             raise ServeError(f"tritonserver exited with code {server.process.returncode}")
         with contextlib.suppress(urllib.error.URLError, OSError):
             with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
+                if r.status == 200 and server.process.poll() is None:  # ours: its ports were free before it
                     return
         time.sleep(0.25)
     raise ServeError(f"the model was not READY after {timeout:.0f} s")

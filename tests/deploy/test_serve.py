@@ -237,9 +237,15 @@ def test_the_openai_client_gets_the_same_completions(server, ours, demo_dir):
     r = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0)
     assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(encode(tok, "Create a new"))
-    streamed = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0,
-                                         stream=True)
+    streamed = list(client.completions.create(model=server.model, prompt="Create a new", max_tokens=12,
+                                              temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in streamed) == want
+    assert [c.choices[0].finish_reason for c in streamed][-1] == "length" and streamed[-1].usage is None
+    counted = list(client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0,
+                                             stream=True, stream_options={"include_usage": True}))
+    assert counted[-1].choices == [] and counted[-1].usage.completion_tokens == 12
+    assert counted[-2].choices[0].finish_reason == "length"
+    assert client.models.retrieve(server.model).id == server.model
     cut = want[3:6]
     r = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0, stop=[cut])
     assert r.choices[0].text == want[:want.index(cut)] and r.choices[0].finish_reason == "stop"
@@ -349,45 +355,229 @@ def test_a_packaged_repository_serves_the_same_tokens(demo_build, ours, tmp_path
         assert _generate(s, {"input_ids": [4, 5, 6], "max_tokens": 9})["output_ids"] == ours.generate([4, 5, 6], 9)
 
 
-def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(server, ours):
-    """Bodies that are not JSON, too deep, too big, without a length or with a negative one; unknown routes
-    and models: each a clear 4xx, and the front still answers the next request."""
+def _raw(host, port, method, path, body=b"", headers=None, timeout=30):
+    """One request as sent, byte for byte (headers None: a Content-Length of the body); (status, body)."""
     import http.client
 
-    def raw(method, path, body=b"", headers=None):
-        c = http.client.HTTPConnection(server.host, server.ports["openai"], timeout=30)
-        try:
-            c.putrequest(method, path)
-            for k, v in (headers if headers is not None else {"Content-Length": str(len(body))}).items():
-                c.putheader(k, v)
-            c.endheaders()
-            if body:
-                c.send(body)
-            r = c.getresponse()
-            return r.status, r.read()
-        finally:
-            c.close()
+    c = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        c.putrequest(method, path)
+        for k, v in (headers if headers is not None else {"Content-Length": str(len(body))}).items():
+            c.putheader(k, v)
+        c.endheaders()
+        if body:
+            c.send(body)
+        r = c.getresponse()
+        return r.status, r.read()
+    finally:
+        c.close()
 
+
+def _completion(prompt, **fields) -> bytes:
+    return json.dumps({"prompt": prompt, **fields}).encode()
+
+
+def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(server, ours):
+    """Bodies that are not JSON, too deep, too big or empty; fields of the wrong type or range, sampling fields it
+    does not honour, prompts the context cannot hold (a text one refused by its bytes, before it is tokenized);
+    unknown routes and models: each a clear OpenAI-shaped 4xx naming what is wrong, and the front still answers."""
     cases = [
-        ("POST", "/v1/completions", b"{not json", None, 400, "not JSON"),
-        ("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, None, 400, "not JSON"),
+        ("POST", "/v1/completions", b"{not json", None, 400, "not valid JSON"),
+        ("POST", "/v1/completions", b"[" * 100000 + b"]" * 100000, None, 400, "nests deeper"),  # Triton: SIGSEGV
         ("POST", "/v1/completions", b"[1, 2]", None, 400, "a JSON object"),
-        ("POST", "/v1/completions", b"x", {"Content-Length": "-5"}, 411, "Content-Length"),
-        ("POST", "/v1/completions", b"", {}, 411, "Content-Length"),
+        ("POST", "/v1/completions", b"", {}, 400, "a JSON object body is needed"),
         ("POST", "/v1/completions", b"{}", {"Content-Length": str(2 << 20)}, 413, "over the"),
+        ("POST", "/v1/completions", b"x" * (6 << 20), {"Content-Type": "application/x-www-form-urlencoded",
+                                                        "Content-Length": str(6 << 20)}, 413, "over the"),
         ("POST", "/v1/chat/completions", b"{}", None, 404, "no route"),
         ("GET", "/v1/secrets", b"", None, 404, "no route"),
+        ("GET", "/v1/models/gpt-4", b"", None, 404, "not served here"),
         ("POST", "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), None, 404, "not served here"),
-        ("POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": "8"}).encode(), None, 400, "max_tokens"),
-        ("POST", "/v1/completions", json.dumps({"prompt": "x", "stop": ["a"] * 5}).encode(), None, 400, "stop"),
-        ("POST", "/v1/completions", json.dumps({"prompt": "x", "logprobs": 3}).encode(), None, 400, "logprobs"),
+        ("POST", "/v1/completions", _completion("x", max_tokens="8"), None, 400, "max_tokens"),
+        ("POST", "/v1/completions", _completion("x", max_tokens=0), None, 400, "max_tokens"),
+        ("POST", "/v1/completions", _completion("x", stream="false"), None, 400, "stream"),
+        ("POST", "/v1/completions", _completion("x", seed=-1), None, 400, "seed"),
+        ("POST", "/v1/completions", _completion("x", seed=2**64), None, 400, "seed"),
+        ("POST", "/v1/completions", _completion("x", temperature=-0.5), None, 400, "temperature"),
+        ("POST", "/v1/completions", _completion("x", top_p=1.5), None, 400, "top_p"),
+        ("POST", "/v1/completions", _completion("x", stop=["a"] * 5), None, 400, "stop"),
+        ("POST", "/v1/completions", _completion("x", logprobs=3), None, 400, "logprobs"),
+        ("POST", "/v1/completions", _completion("x", presence_penalty=0.5), None, 400, "presence_penalty"),
+        ("POST", "/v1/completions", _completion("x", n=2), None, 400, "n: only 1"),
+        ("POST", "/v1/completions", _completion({"a": 1}), None, 400, "prompt"),
+        ("POST", "/v1/completions", _completion([]), None, 400, "prompt"),
+        ("POST", "/v1/completions", _completion([8449]), None, 400, "outside the vocabulary"),
+        ("POST", "/v1/completions", _completion([1] * 120, max_tokens=20), None, 400, "exceeds the model's context"),
+        ("POST", "/v1/completions", _completion("word " * 200_000), None, 400, "cannot fit the model's context"),
     ]
     for method, path, body, headers, status, words in cases:
-        got, answer = raw(method, path, body, headers)
+        got, answer = _raw(server.front_host, server.ports["openai"], method, path, body, headers)
         assert got == status and words in json.loads(answer)["error"]["message"], (path, body[:40], got, answer[:200])
     status, answer = _post(f"{server.endpoints()['openai']}/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
     assert status == 200
     assert json.loads(answer)["usage"]["completion_tokens"] == 3
+
+
+def test_a_long_text_prompt_is_refused_in_proportion_to_the_context(server, demo_dir):
+    """The byte bound is the context times the longest token: a text just under it is tokenized and checked by its
+    tokens, one just over is refused unread, and a 1 MB one costs no more than that."""
+    from andrea_export.deploy.triton.served import longest_token_bytes
+    from andrea_export.model.text import load_tokenizer
+
+    bound = 128 * longest_token_bytes(load_tokenizer(demo_dir / "tokenizer.json"))
+    over = _raw(server.front_host, server.ports["openai"], "POST", "/v1/completions", _completion("a" * (bound + 1)))
+    under = _raw(server.front_host, server.ports["openai"], "POST", "/v1/completions", _completion("a b " * 100))
+    assert over[0] == 400 and f"at most {bound:,} bytes" in json.loads(over[1])["error"]["message"]
+    assert under[0] == 400 and "exceeds the model's context" in json.loads(under[1])["error"]["message"]
+
+
+def test_text_prompts_over_the_context_bound_are_refused_by_the_generate_model(server):
+    """Triton's own /generate route (loopback) refuses a text no context can hold before tokenizing it too."""
+    status, body = _post(server.endpoints()["generate"], {"text_input": "word " * 100_000, "max_tokens": 2})
+    assert status == 400 and "cannot fit the model's context" in json.loads(body)["error"], body
+
+
+def test_parse_request_bounds_text_before_encoding():
+    from andrea_export.deploy.triton.served import BadRequest, parse_request
+
+    seen = []
+    inputs = {"text_input": np.asarray([b"x" * 11], dtype=np.object_), "max_tokens": np.asarray([2], dtype=np.int32)}
+    with pytest.raises(BadRequest, match="11 bytes cannot fit"):
+        parse_request(inputs.get, 100, encode=lambda t: seen.append(t) or [1], max_text_bytes=10)
+    assert seen == []  # never tokenized
+    req, _ = parse_request(inputs.get, 100, encode=lambda t: seen.append(t) or [1], max_text_bytes=11)
+    assert req.prompt_ids == [1] and seen == ["x" * 11]
+
+
+@pytest.fixture()
+def front(server, demo_build):
+    """A second front on the running server's generate model, with a key, another model name and short limits."""
+    from andrea_export.deploy.openai_front import Limits, Model, start_front
+
+    model = Model("andrea", server.model, 128, 8449, serve_module._tokenizer(demo_build))
+    f = start_front(model, f"{server.url()}/v2/models/{server.model}/generate_stream", "127.0.0.1", 0,
+                    api_key="sesame", limits=Limits(read_timeout_s=1.0, max_connections=6))
+    yield f
+    f.stop(10)
+
+
+def test_the_key_is_asked_on_every_route_but_health(front):
+    openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
+    base = f"http://127.0.0.1:{front.port}/v1"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=base, api_key="wrong").models.list()
+    for path, body in (("/v1/models", b""), ("/v1/models/andrea", b""), ("/v1/completions", _completion([1], max_tokens=2))):
+        status, answer = _raw("127.0.0.1", front.port, "POST" if body else "GET", path, body)
+        assert status == 401 and json.loads(answer)["error"]["code"] == "invalid_api_key", (path, answer)
+    assert _raw("127.0.0.1", front.port, "GET", "/health")[0] == 200
+    client = openai.OpenAI(base_url=base, api_key="sesame")
+    assert [m.id for m in client.models.list()] == ["andrea"] and client.models.retrieve("andrea").id == "andrea"
+    r = client.completions.create(model="andrea", prompt=[5, 6], max_tokens=3, temperature=0)
+    assert r.usage.completion_tokens == 3 and r.model == "andrea"
+
+
+def test_a_client_that_stalls_is_timed_out_and_a_connection_cap_answers_503(front):
+    """A body that never comes gets 408 after the read timeout; connections beyond the cap get 503 at once;
+    meanwhile a good request is answered."""
+    import socket
+
+    auth = {"Authorization": "Bearer sesame"}
+    t0 = time.monotonic()
+    status, answer = _raw("127.0.0.1", front.port, "POST", "/v1/completions", b"{", {**auth, "Content-Length": "100"})
+    assert status == 408 and "did not arrive within 1 s" in json.loads(answer)["error"]["message"]
+    assert 0.9 < time.monotonic() - t0 < 10
+    stalled = []
+    try:
+        for _ in range(6):  # each holds a connection: headers half sent
+            c = socket.create_connection(("127.0.0.1", front.port))
+            c.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+            stalled.append(c)
+        time.sleep(0.3)
+        status, _ = _raw("127.0.0.1", front.port, "GET", "/v1/models", b"", auth)
+        assert status == 503
+    finally:
+        for c in stalled:
+            c.close()
+    deadline = time.monotonic() + 10
+    while _raw("127.0.0.1", front.port, "GET", "/v1/models", b"", auth)[0] != 200:
+        assert time.monotonic() < deadline, "the front did not recover once the stalled clients left"
+        time.sleep(0.1)
+
+
+def test_triton_keeps_its_dangerous_apis_behind_the_admin_key(server):
+    """Shared memory, model control and logging answer only the admin key, over HTTP and gRPC; inference does not
+    need it. Triton's ports listen on loopback."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    assert server.host == "127.0.0.1"
+    for path, body in (("/v2/systemsharedmemory/status", b""), ("/v2/repository/index", b"{}"),
+                       ("/v2/logging", json.dumps({"log_verbose_level": 1}).encode())):
+        method = "POST" if body else "GET"
+        assert _raw(server.host, server.ports["http"], method, path, body)[0] in (401, 403), path
+        status, answer = _raw(server.host, server.ports["http"], method, path, body,
+                              {"Content-Length": str(len(body)), **server.admin_headers()})
+        assert status == 200, (path, answer)
+    client = grpcclient.InferenceServerClient(server.url("grpc"))
+    try:
+        with pytest.raises(InferenceServerException, match="This protocol is restricted"):
+            client.get_system_shared_memory_status()
+        client.get_system_shared_memory_status(headers=server.admin_headers("grpc"))
+        assert client.is_model_ready(server.model)
+    finally:
+        client.close()
+
+
+def test_ports_in_use_and_bad_hosts_are_one_line_and_leave_nothing(demo_build, tmp_path):
+    import glob
+    import socket
+    import tempfile
+
+    _serving_env()
+    before = set(glob.glob(f"{tempfile.gettempdir()}/andrea-serve-*"))
+    with socket.create_server(("127.0.0.1", 0)) as held:
+        port = held.getsockname()[1]
+        with pytest.raises(serve_module.ServeError, match=f"Triton's http port: cannot listen on 127.0.0.1:{port}"):
+            serve_module.start(demo_build, http_port=port, grpc_port=0, metrics_port=0)
+        with pytest.raises(serve_module.ServeError, match=f"the OpenAI front: cannot listen on 127.0.0.1:{port}"):
+            serve_module.start(demo_build, http_port=0, grpc_port=0, metrics_port=0, openai_port=port)
+    with pytest.raises(serve_module.ServeError, match="the API key is empty"):
+        serve_module.start(demo_build, front=serve_module.FrontOptions(api_key=" "))
+    with pytest.raises(serve_module.ServeError, match="no such address 'no-such-host.invalid'"):
+        serve_module.start(demo_build, http_port=0, grpc_port=0, metrics_port=0,
+                           front=serve_module.FrontOptions(host="no-such-host.invalid", port=0))
+    assert set(glob.glob(f"{tempfile.gettempdir()}/andrea-serve-*")) == before
+
+
+def test_sigterm_drains_every_stream_through_the_front(long_build):
+    """32 streams in flight through the front when the server is stopped: each ends with its tokens, its finish
+    reason on the last chunk and its usage, and Triton exits 0."""
+    openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
+    _serving_env()
+    s = serve_module.start(long_build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0, slots=16)
+    client = openai.OpenAI(base_url=s.endpoints()["openai"], api_key="unused", max_retries=0)
+    started = threading.Barrier(33)
+
+    def stream(i):
+        chunks = client.completions.create(model=s.model, prompt=[1 + i, 2], max_tokens=300, temperature=0,
+                                           stream=True, stream_options={"include_usage": True})
+        out = []
+        for n, c in enumerate(chunks):
+            out.append(c)
+            if n == 0:
+                started.wait(60)
+        return out
+
+    with ThreadPoolExecutor(32) as pool:
+        futures = [pool.submit(stream, i) for i in range(32)]
+        started.wait(60)
+        code = s.stop(timeout=120)
+        results = [f.result(timeout=120) for f in futures]
+    assert code == 0
+    for chunks in results:
+        assert chunks[-1].usage.completion_tokens == 300 and chunks[-1].choices == []
+        assert chunks[-2].choices[0].finish_reason == "length"
+        assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
 
 
 def test_a_serve_killed_with_sigkill_leaves_no_server_behind(long_build):

@@ -34,8 +34,16 @@ class BadRequest(ValueError):
     """A request the model answers with an error response (its message names the field)."""
 
 
-def parse_request(get, vocab_size: int, encode=None):
-    """A runtime Request from a request's inputs (`get(name)` -> numpy array or None), and whether it streams."""
+def longest_token_bytes(tokenizer) -> int:
+    """The UTF-8 length of the tokenizer's longest token string, added tokens included: for a byte-level BPE (the
+    demo's) each character of a token stands for one byte of text, so no token covers more bytes than this, and a
+    text of more than n_positions times this many bytes cannot fit the context."""
+    return max((len(t.encode("utf-8")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
+def parse_request(get, vocab_size: int, encode=None, max_text_bytes: int | None = None):
+    """A runtime Request from a request's inputs (`get(name)` -> numpy array or None), and whether it streams.
+    A text longer than `max_text_bytes` (what the context can hold at most) is refused before it is tokenized."""
     from ...runtime import Request
 
     def scalar(name, kind):
@@ -58,6 +66,9 @@ def parse_request(get, vocab_size: int, encode=None):
         raw = text.reshape(-1)[0] if text.size == 1 else None
         if not isinstance(raw, (bytes, str)):
             raise BadRequest("text_input: one string expected")
+        if max_text_bytes is not None and len(raw) > max_text_bytes:
+            raise BadRequest(f"text_input: {len(raw):,} bytes cannot fit the model's context (at most "
+                             f"{max_text_bytes:,} bytes)")
         try:
             prompt = encode(raw.decode("utf-8") if isinstance(raw, bytes) else raw)
         except UnicodeDecodeError as e:
@@ -100,6 +111,8 @@ class TritonPythonModel:
             from tokenizers import Tokenizer
 
             self.tokenizer = Tokenizer.from_file(str(tok))
+        self.max_text_bytes = self.session.cfg.n_positions * longest_token_bytes(self.tokenizer) if self.tokenizer \
+            else None
         slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "64"))
         admit = params.get("admit", "in-flight")
         budget = int(params["step_tokens"]) if "step_tokens" in params else None
@@ -119,10 +132,14 @@ class TritonPythonModel:
             sender = request.get_response_sender()
             try:
                 req, stream = parse_request(lambda n: _input(pb, request, n), self.session.cfg.vocab_size,
-                                            self._encode if self.tokenizer else None)
+                                            self._encode if self.tokenizer else None, self.max_text_bytes)
                 self.batcher.submit(req, self._responder(sender, stream))
             except (BadRequest, InputError, RuntimeError) as e:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(str(e))),
+                            flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception as e:  # noqa: BLE001 - one request's surprise must not take the others' answers
+                pb.Logger.log_error(f"a request failed: {type(e).__name__}: {e}")
+                sender.send(pb.InferenceResponse(error=pb.TritonError(f"the request failed: {type(e).__name__}")),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
