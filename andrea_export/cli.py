@@ -412,6 +412,9 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 @click.option("--seed", type=click.IntRange(0, MAX_SEED), default=None,
               help="Seed for top-k/top-p sampling (reproducible output); each prompt gets the tokens it gets alone.")
 @click.option("--stop-id", "stop_ids", type=int, multiple=True, help="Stop at this token id (repeatable).")
+@click.option("--ignore-eos", is_flag=True,
+              help="Run on past the end-of-text token to --max-new-tokens. [default: stop there, where the "
+                   "tokenizer names one]")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
               show_default=True,
               help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime. "
@@ -426,11 +429,12 @@ def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, 
 @click.pass_context
 @_user_errors
 def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, strategy, temperature, top_k, top_p, seed,
-             stop_ids, backend, inference_precision, kv_cache_precision):
+             stop_ids, ignore_eos, backend, inference_precision, kv_cache_precision):
     """Generate tokens with the KV-cache decoder of BUILD (a build folder, or a decoder .onnx file).
 
     Prints the new token ids of each prompt on a line of its own, in order, each followed by the prompt
-    and its continuation as text when there is a tokenizer (--tokenizer, or the build folder's). Several
+    and its continuation as text when there is a tokenizer (--tokenizer, or the build folder's); each stops at
+    the tokenizer's end-of-text token (the last id, not printed as text) unless --ignore-eos. Several
     prompts run as one batch. The cache stays on the device between steps; prompts that do not fit the
     context, empty prompts and ids outside the vocabulary are refused before anything runs.
     """
@@ -473,8 +477,10 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 
             warn(f"{build} holds RANDOM weights (seed {sess.weights_source['seed']}), not a trained checkpoint: "
                  "the tokens it generates are meaningless")
-        news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids)
-                                    for p in prompts])
+        if sess.eos_id is None and tok is not None:  # a tokenizer given apart from the build names the end too
+            sess.eos_id = tok.token_to_id(runtime.EOT)
+        news = sess.generate_batch([runtime.Request(p, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids,
+                                                    ignore_eos) for p in prompts])
     from .progress import for_terminal
 
     for prompt, new in zip(prompts, news):

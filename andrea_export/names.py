@@ -20,6 +20,7 @@ PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization p
 TOKENIZER_FILE = "tokenizer.json"  # a build folder's tokenizer (build --tokenizer), Hugging Face format
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # beside it: what transformers and onnxruntime-genai load it as
 EVAL_TEXT_FILE = "eval.txt"  # a build folder's evaluation text (build --eval-text)
+EOT = "<|endoftext|>"  # GPT-2's end of text and ours (model/text.py: id 0); generation stops there (runtime)
 
 FLOAT_PRECISIONS = ("fp32", "fp16", "bf16")  # every weight and activation in that type (graphs/precision.py)
 WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights (graphs/quantize.py; Q/DQ for the engines)

@@ -59,6 +59,7 @@ class Model:
     n_positions: int
     vocab_size: int
     tokenizer: Any = None  # a tokenizers.Tokenizer, or None: token-id prompts only
+    eos_id: int | None = None  # the end-of-text token the generate model stops at (runtime.eos_id)
 
     @property
     def prompt_byte_bound(self) -> int:
@@ -100,6 +101,7 @@ def _completion_request():
         stream: bool = False
         stream_options: StreamOptions | None = None
         n: int = 1
+        ignore_eos: bool = False  # vLLM's extension: run on past the end-of-text token
 
     return CompletionRequest
 
@@ -142,6 +144,8 @@ def parse(body: dict, model: Model) -> Completion:
         raise FrontError("stop: a string or up to 4 non-empty strings")
     feed: dict = {"max_tokens": r.max_tokens, "temperature": float(r.temperature), "stream": True}
     feed.update({k: v for k, v in (("top_p", r.top_p), ("seed", r.seed)) if v is not None})
+    if r.ignore_eos:
+        feed["ignore_eos"] = True
     return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage))
 
 
@@ -195,12 +199,15 @@ async def read_body(request, limits: Limits) -> dict:
 
 
 # -- the answer --------------------------------------------------------------------------------------------
-async def pieces(client, upstream: str, feed: dict, stops: list[str]) -> AsyncGenerator[tuple[str, int, str | None], None]:
+async def pieces(client, upstream: str, feed: dict, stops: list[str],
+                 eos_id: int | None = None) -> AsyncGenerator[tuple[str, int, str | None], None]:
     """(new text, tokens, finish_reason or None) from the generate model's stream; ends at a stop string, which
-    closes the upstream request (its slot is freed at the next step)."""
+    closes the upstream request (its slot is freed at the next step). The generate model ends a request at
+    max_tokens ("length") or at the end-of-text token `eos_id`, which comes as its last token ("stop")."""
     import httpx
 
     text, count, sent, keep = "", 0, 0, max((len(s) for s in stops), default=1) - 1
+    last = None
     try:
         async with client.stream("POST", upstream, json=feed) as resp:
             if resp.status_code != 200:
@@ -212,7 +219,8 @@ async def pieces(client, upstream: str, feed: dict, stops: list[str]) -> AsyncGe
                 if "error" in doc:
                     raise FrontError(str(doc["error"]))
                 ids = doc.get("output_ids", [])
-                count += len(ids) if isinstance(ids, list) else 1
+                ids = ids if isinstance(ids, list) else [ids]
+                count, last = count + len(ids), ids[-1] if ids else last
                 text += doc.get("text_output", "")
                 hit = min((i for s in stops if (i := text.find(s, max(0, sent - keep))) >= 0), default=-1)
                 if hit >= 0:
@@ -224,7 +232,8 @@ async def pieces(client, upstream: str, feed: dict, stops: list[str]) -> AsyncGe
                     sent, count = safe, 0
     except httpx.HTTPError as e:
         raise FrontError(f"the Triton server did not answer: {e}", 502) from None
-    yield text[sent:], count, "length"  # the generate model ended it at max_tokens
+    ended_at_eos = eos_id is not None and last == eos_id and not feed.get("ignore_eos")
+    yield text[sent:], count, "stop" if ended_at_eos else "length"
 
 
 def _upstream_error(body: bytes) -> str:
@@ -303,7 +312,7 @@ def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits:
     async def completions(request: Request):
         c = parse(await read_body(request, limits), model)
         ids = await prompt_ids(c, model)
-        answer = pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops)
+        answer = pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id)
         try:
             first = await anext(answer)  # an upstream error comes before any token: answer it as an error
         except BaseException:

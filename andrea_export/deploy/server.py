@@ -230,8 +230,10 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
     from .openai_front import Limits, Model, start_front
 
     cfg = read_manifest(build_dir, full=False)["model"]
+    from ..runtime import eos_id
+
     model = Model(opts.served_model_name or server.model, server.model, cfg["n_positions"], cfg["vocab_size"],
-                  _tokenizer(build_dir))
+                  _tokenizer(build_dir), eos_id(build_dir))
     upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
     try:
         server.front = start_front(model, upstream, opts.host, opts.port, api_key=opts.api_key,

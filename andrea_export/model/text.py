@@ -23,9 +23,9 @@ import numpy as np
 from .. import userfiles
 from ..errors import ConfigError, require
 from ..folder.atomic import write_bytes_atomic, write_text_atomic
+from ..names import EOT  # separates documents; id 0
 
 VOCAB_SIZE = 8449  # ANDREA's
-EOT = "<|endoftext|>"  # separates documents; id 0
 HELDOUT_EVERY = 10  # block i of the topics is held out when i % 10 == 9
 BLOCK_CHARS = 2000
 

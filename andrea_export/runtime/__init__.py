@@ -15,6 +15,9 @@ a `.plan` given alone may lie beside the fp32 `decoder.onnx` of an fp16 or bf16 
 A session may be shared by many threads (see base.py): ONNX Runtime sessions run their calls in parallel,
 TensorRT sessions one after another. Loading and generating import neither torch nor the build machinery:
 a service needs numpy, onnx and onnxruntime (plus TensorRT and cuda-python for the engine).
+
+Generation stops at the end-of-text token where the build's tokenizer names one (`Session.eos_id`; `ignore_eos`
+runs on to `max_new_tokens`), as transformers, vLLM and llama.cpp stop by default.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from ..catalog import TABLE, Role, decoder_graph
 from ..errors import InputError, installed
 from ..folder.reader import MANIFEST
 from ..graphs.layout import read_decoder_meta
-from ..names import DECODER_FILE, TOKENIZER_FILE
+from ..names import DECODER_FILE, EOT, TOKENIZER_FILE
 from .base import Request, SerialSession, Session, Steps, check_ids
 from .sampling import STRATEGIES, Sampling, next_token
 
@@ -33,7 +36,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
 ENGINE_FILE = TABLE[Role.DECODER_ENGINE].file  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
-           "load", "next_token", "tokenizer_path"]
+           "eos_id", "load", "next_token", "tokenizer_path"]
 
 
 def tokenizer_path(path: str | Path) -> Path | None:
@@ -58,6 +61,33 @@ def tokenizer_path(path: str | Path) -> Path | None:
         raise InputError(f"{candidate}: changed since the build (sha256 differs from the manifest's); rebuild it, "
                          "or give the tokenizer with --tokenizer")
     return candidate
+
+
+def eos_id(path: str | Path) -> int | None:
+    """The end-of-text token of the tokenizer a build folder carries (tokenizer_config.json's `eos_token`,
+    else EOT), or None: no tokenizer, or none of that name. Read as JSON (nothing of the tokenizers package)."""
+    from .. import userfiles
+    from ..names import TOKENIZER_CONFIG_FILE
+
+    tok = tokenizer_path(path)
+    if tok is None:
+        return None
+    from ..folder.reader import inside
+
+    name: object = EOT
+    if (Path(path) / TOKENIZER_CONFIG_FILE).exists():  # no link out of the folder, as for the tokenizer
+        config = userfiles.read_json(inside(path, TOKENIZER_CONFIG_FILE, "a tokenizer_config.json", InputError, flat=True),
+                                     userfiles.MAX_JSON_BYTES, "a tokenizer_config.json", InputError)
+        name = config.get("eos_token", EOT) if isinstance(config, dict) else None
+    data = userfiles.read_json(tok, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", InputError)
+    if not isinstance(name, str) or not isinstance(data, dict):
+        return None
+    for added in data.get("added_tokens") or []:
+        if isinstance(added, dict) and added.get("content") == name and isinstance(added.get("id"), int):
+            return added["id"]
+    vocab = (data.get("model") or {}).get("vocab")
+    found = vocab.get(name) if isinstance(vocab, dict) else None
+    return found if isinstance(found, int) and not isinstance(found, bool) else None
 
 
 def _resolve(path: Path, backend: str, manifest: dict | None) -> tuple[Path, Path | None]:
@@ -168,6 +198,8 @@ def load(
 
         sess = OrtSession(onnx_path, cfg, layout, providers=providers, intra_op_threads=intra_op_threads)
     sess.weights_source = weights_source(meta, onnx_path)
+    eos = eos_id(path) if path.is_dir() else None
+    sess.eos_id = eos if eos is not None and 0 <= eos < cfg.vocab_size else None
     return sess
 
 

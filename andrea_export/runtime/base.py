@@ -11,7 +11,8 @@ memory for CUDA / TensorRT):
 Batches: prompts of different lengths are padded on the left (id 0, mask 0). The graph masks padded keys
 and derives each token's position from the mask, so a row computes what its prompt alone would. Every
 request draws from its own generator, seeded with its own `seed`, and stops on its own (its stop ids, its
-`max_new_tokens`): a batched call gives each prompt the tokens it gets alone. (A padded row's fp32 logits
+`max_new_tokens`, and the model's end-of-text token unless it sets `ignore_eos`, as every peer stops by default):
+a batched call gives each prompt the tokens it gets alone. (A padded row's fp32 logits
 can differ from its unpadded ones in the last bits, as sums run over a longer, masked key axis: at most
 4e-7 on the tiny test model. Tokens could differ only at a tie to that precision.)
 
@@ -81,6 +82,7 @@ class Request:
     top_p: float = 0.9
     seed: int | None = None
     stop_ids: Sequence[int] = ()
+    ignore_eos: bool = False  # run on past the end-of-text token (Session.eos_id) to max_new_tokens
 
 
 @dataclasses.dataclass
@@ -115,6 +117,7 @@ class Session(abc.ABC):
     backend: str = "?"
     max_batch: int | None = None  # rows one step may hold; None: as many as a call brings
     weights_source: dict | None = None  # what the graph's metadata records (runtime.load sets it)
+    eos_id: int | None = None  # the end-of-text token, where the build's tokenizer names one (runtime.load sets it)
 
     def __init__(self, cfg: ModelConfig, layout: KVLayout, source: str):
         self.cfg = cfg
@@ -181,9 +184,11 @@ class Session(abc.ABC):
         top_p: float = 0.9,
         seed: int | None | Sequence[int | None] = None,
         stop_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> list[int] | list[list[int]]:
         """The new token ids (the prompt not repeated). Stops after `max_new_tokens` or at the first id in
-        `stop_ids`, which is included as the last element. `seed` makes top-k / top-p sampling repeatable.
+        `stop_ids` or the end-of-text token (`eos_id`, unless `ignore_eos`), which is included as the last
+        element. `seed` makes top-k / top-p sampling repeatable.
 
         `prompt_ids` may also be a list of prompts (of any lengths): they run as one batch and the result
         is a list, one list of new ids per prompt. Then `max_new_tokens` and `seed` may be lists too (one per
@@ -192,10 +197,10 @@ class Session(abc.ABC):
         if _is_batch(prompt_ids):
             n = len(prompt_ids)
             lengths, seeds = _per_prompt(max_new_tokens, n, "max_new_tokens"), _per_prompt(seed, n, "seed")
-            return self.generate_batch([Request(p, m, strategy, temperature, top_k, top_p, s, stop_ids)
+            return self.generate_batch([Request(p, m, strategy, temperature, top_k, top_p, s, stop_ids, ignore_eos)
                                         for p, m, s in zip(prompt_ids, lengths, seeds)])
         one = Request(cast(Sequence[int], prompt_ids), cast(int, max_new_tokens), strategy, temperature, top_k, top_p,
-                      cast("int | None", seed), stop_ids)  # one prompt: _check checks what each value really is
+                      cast("int | None", seed), stop_ids, ignore_eos)  # one prompt: _check checks each value
         return self._generate([self._check(one)])[0]
 
     def generate_batch(self, requests: Sequence[Request]) -> list[list[int]]:
@@ -218,11 +223,13 @@ class Session(abc.ABC):
         top_p: float = 0.9,
         seed: int | None = None,
         stop_ids: Sequence[int] = (),
+        ignore_eos: bool = False,
     ) -> Iterator[tuple[int, np.ndarray]]:
         """Like `generate` for one prompt, one (token, logits it was chosen from) at a time. All input is
         checked before the first step runs. The call holds its cache (on a SerialSession: the session)
         until the iterator is exhausted or closed."""
-        row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids))
+        row = self._check(Request(prompt_ids, max_new_tokens, strategy, temperature, top_k, top_p, seed, stop_ids,
+                                  ignore_eos))
         return (event for events in self._loop([row]) if (event := events[0]) is not None)
 
     def check(self, request: Request) -> CheckedRequest:
@@ -249,6 +256,10 @@ class Session(abc.ABC):
             s = r.seed
             if s is not None and (isinstance(s, bool) or not isinstance(s, (int, np.integer)) or not 0 <= s <= MAX_SEED):
                 raise InputError(f"seed must be an integer in 0..2**63-1 (or none), got {s!r}")
+            if not isinstance(r.ignore_eos, (bool, np.bool_)):
+                raise InputError(f"ignore_eos must be true or false, got {r.ignore_eos!r}")
+            if self.eos_id is not None and not r.ignore_eos:
+                stops.append(self.eos_id)
         except InputError as e:
             if where is None:
                 raise

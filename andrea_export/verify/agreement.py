@@ -223,7 +223,7 @@ def _session_greedy(session: Session, prompt: list[int], n_tokens: int) -> tuple
     """Greedy decoding through the session's KV cache: (tokens, float64 logits of each step, seconds)."""
     t0 = time.perf_counter()
     tokens, logits = [], []
-    for tok, step_logits in session.stream(prompt, n_tokens, strategy="greedy"):
+    for tok, step_logits in session.stream(prompt, n_tokens, strategy="greedy", ignore_eos=True):
         tokens.append(tok)
         logits.append(np.asarray(step_logits, dtype=np.float64))
     return tokens, logits, time.perf_counter() - t0

@@ -255,6 +255,59 @@ def test_the_openai_client_gets_the_same_completions(server, ours, demo_dir):
         client.completions.create(model=server.model, prompt="x", max_tokens=4, n=2)
 
 
+@pytest.fixture(scope="module")
+def eos_build(demo_dir, tmp_path_factory):
+    """The demo's weights with a tokenizer whose end of text has the newline's id (the two ids swapped): the
+    model writes that id within a few tokens of most prompts (it never ends a text on its own greedily), so
+    the stop at the end can be seen on every route."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    from andrea_export.model.text import EOT
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    d = tmp_path_factory.mktemp("eos")
+    doc = json.loads((demo_dir / "tokenizer.json").read_text())
+    vocab = doc["model"]["vocab"]
+    newline = vocab["\u010a"]  # byte-level BPE's "\n"
+    vocab["\u010a"], vocab[EOT] = vocab[EOT], newline
+    doc["added_tokens"] = [{**t, "id": newline} if t["content"] == EOT else t for t in doc["added_tokens"]]
+    (d / "tokenizer.json").write_text(json.dumps(doc))
+    run_build(BuildOptions(checkpoint=str(demo_dir / "model.safetensors"), tokenizer=str(d / "tokenizer.json"),
+                           builder="tensorrt-rtx", out=str(d / "build"), greedy_steps=2, verify_shapes=[[1, 3]]))
+    return d / "build", newline
+
+
+def test_every_route_stops_at_the_end_of_text_unless_told(eos_build):
+    """The runtime, Triton's routes and the front stop at the end-of-text token (counted, its text not printed,
+    finish_reason "stop"), and ignore_eos runs on to max_tokens on each."""
+    openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
+    from andrea_export.model.text import EOT, encode, load_tokenizer
+
+    _serving_env()
+    build, eos = eos_build
+    tok = load_tokenizer(build / "tokenizer.json")
+    ids = encode(tok, "Create a new")
+    with runtime.load(build, backend="onnxruntime") as sess:
+        full = sess.generate(ids, 24, ignore_eos=True)
+        assert eos in full[1:], "the demo writes no newline after this prompt: choose another"
+        cut = full[: full.index(eos) + 1]
+        assert sess.eos_id == eos and sess.generate(ids, 24) == cut
+    with serve_module.start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0, slots=2) as server:
+        assert _generate(server, {"input_ids": ids, "max_tokens": 24})["output_ids"] == cut
+        assert _generate(server, {"input_ids": ids, "max_tokens": 24, "ignore_eos": True})["output_ids"] == full
+        assert [e["output_ids"] for e in _stream(server, {"input_ids": ids, "max_tokens": 24})] == cut
+        client = openai.OpenAI(base_url=server.endpoints()["openai"], api_key="unused")
+        r = client.completions.create(model=server.model, prompt="Create a new", max_tokens=24, temperature=0)
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("stop", len(cut))
+        assert r.choices[0].text == tok.decode(cut) and EOT not in r.choices[0].text
+        chunks = list(client.completions.create(model=server.model, prompt="Create a new", max_tokens=24,
+                                                temperature=0, stream=True))
+        assert chunks[-1].choices[0].finish_reason == "stop"
+        assert "".join(c.choices[0].text for c in chunks) == tok.decode(cut)
+        r = client.completions.create(model=server.model, prompt="Create a new", max_tokens=24, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 24)
+
+
 def test_health_metrics_and_a_clear_error_for_a_folder_that_is_no_build(server, tmp_path):
     with urllib.request.urlopen(f"{server.url()}/v2/health/ready", timeout=10) as r:
         assert r.status == 200
@@ -348,7 +401,7 @@ def test_a_packaged_repository_serves_the_same_tokens(demo_build, ours, tmp_path
     cfg = parse_config((model / "config.pbtxt").read_text())
     assert cfg.backend == "python" and cfg.model_transaction_policy.decoupled and cfg.max_batch_size == 0
     assert {i.name for i in cfg.input} == {"text_input", "input_ids", "max_tokens", "temperature", "top_k", "top_p",
-                                          "seed", "stop_ids", "stream"} and all(i.optional for i in cfg.input)
+                                          "seed", "stop_ids", "stream", "ignore_eos"} and all(i.optional for i in cfg.input)
     assert (model / "1" / "model.py").is_file() and (model / "1" / "build" / "manifest.json").is_file()
     with serve_module.start_repository(tmp_path / "repo", "andrea-tiny-fp32-generate", http_port=0, grpc_port=0,
                                        metrics_port=0) as s:

@@ -129,6 +129,49 @@ def test_sampling_is_seeded_and_stops(session, prompt):
     assert session.generate(prompt, 20, stop_ids=[stop]) == greedy[: first + 1]
 
 
+@pytest.fixture(scope="module")
+def talking_folder(build_dir, demo_dir, tmp_path_factory):
+    """The lively decoder with the demo's tokenizer beside it: a folder whose tokenizer names its end of text."""
+    folder = tmp_path_factory.mktemp("talking") / "decoder"
+    shutil.copytree(build_dir, folder)
+    shutil.copy(demo_dir / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+def test_generation_stops_at_the_tokenizers_end_of_text(talking_folder, prompt):
+    """A folder whose tokenizer names an end-of-text token stops there by default (the token is the last one
+    returned), in one call, a batch and a stream, and the batcher admits it as a stop; ignore_eos runs on; a folder without a tokenizer
+    has no end. The end is taken from tokenizer_config.json's eos_token when there is one (else <|endoftext|>,
+    id 0 in ours): naming one of the tokens the model does generate shows the stop."""
+    import json
+
+    from andrea_export.model.text import load_tokenizer
+
+    with runtime.load(talking_folder, backend="onnxruntime") as sess:
+        assert sess.eos_id == 0
+        full = sess.generate(prompt, 24, ignore_eos=True)
+    end = full[6]
+    (talking_folder / "tokenizer_config.json").write_text(
+        json.dumps({"eos_token": load_tokenizer(talking_folder / "tokenizer.json").id_to_token(end)}))
+    cut = full[: full.index(end) + 1]
+    with runtime.load(talking_folder, backend="onnxruntime") as sess:
+        assert sess.eos_id == end
+        assert sess.generate(prompt, 24) == cut
+        assert sess.generate([prompt, prompt], 24) == [cut, cut]
+        assert sess.generate_batch([runtime.Request(prompt, 24), runtime.Request(prompt, 24, ignore_eos=True)]) == [cut, full]
+        assert [t for t, _ in sess.stream(prompt, 24)] == cut
+        assert sess.check(runtime.Request(prompt, 24)).stops == {end}  # what the batcher admits (test_serve)
+        with pytest.raises(InputError, match="ignore_eos must be true or false, got 'no'"):
+            sess.generate(prompt, 4, ignore_eos="no")
+    (talking_folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "no such token"}))
+    with runtime.load(talking_folder, backend="onnxruntime") as sess:
+        assert sess.eos_id is None and sess.generate(prompt, 24) == full
+
+
+def test_a_folder_without_a_tokenizer_has_no_end(session):
+    assert session.eos_id is None
+
+
 
 @pytest.mark.parametrize(
     "args, kwargs, message",

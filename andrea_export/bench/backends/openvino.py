@@ -182,4 +182,4 @@ class OursOpenVinoBackend(Backend):
 
     def generate(self, prompt, new_tokens):
         prompts = prompt.tolist()
-        return lambda: self.session.generate(prompts, new_tokens)
+        return lambda: self.session.generate(prompts, new_tokens, ignore_eos=True)  # fixed length

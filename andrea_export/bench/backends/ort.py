@@ -213,7 +213,7 @@ class OrtBackend(Backend):
         """Greedy, through the product's own loop (runtime.OrtSession: one batched call for all rows) on this
         harness's session and threads."""
         rs, prompts = self._runtime_session(self.session("decode")), prompt.tolist()
-        return lambda: rs.generate(prompts, new_tokens)
+        return lambda: rs.generate(prompts, new_tokens, ignore_eos=True)  # fixed length
 
     def _runtime_session(self, sess):
         """andrea_export.runtime's OrtSession wrapped around our session (same file, same options): on the

@@ -129,4 +129,4 @@ class TrtBackend(Backend):
         if not hasattr(self, "_session"):
             self._session = runtime.load(self.engines["decode"], backend="tensorrt")
         ids = prompt[0].tolist()
-        return lambda: self._session.generate(ids, new_tokens)
+        return lambda: self._session.generate(ids, new_tokens, ignore_eos=True)  # every run the same length

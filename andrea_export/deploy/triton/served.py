@@ -7,7 +7,8 @@ sends the tokens as they come (`stream`) or all at once; it returns at once. Not
 
     inputs   text_input BYTES [1] (needs the build's tokenizer) or input_ids INT64 [-1]; max_tokens INT32 [1];
              optional temperature FP32 [1] (0 or absent: greedy), top_k INT32 [1], top_p FP32 [1],
-             seed INT64 [1], stop_ids INT64 [-1], stream BOOL [1]
+             seed INT64 [1], stop_ids INT64 [-1], stream BOOL [1], ignore_eos BOOL [1] (run on past the
+             end-of-text token)
     outputs  output_ids INT64 [-1]; text_output BYTES [1] (with a tokenizer)
 
 A bad request gets one error response naming the field, and nothing else in flight notices. A client that
@@ -25,6 +26,7 @@ INPUTS = {  # name -> (Triton type, dims)
     "text_input": ("TYPE_STRING", [1]), "input_ids": ("TYPE_INT64", [-1]), "max_tokens": ("TYPE_INT32", [1]),
     "temperature": ("TYPE_FP32", [1]), "top_k": ("TYPE_INT32", [1]), "top_p": ("TYPE_FP32", [1]),
     "seed": ("TYPE_INT64", [1]), "stop_ids": ("TYPE_INT64", [-1]), "stream": ("TYPE_BOOL", [1]),
+    "ignore_eos": ("TYPE_BOOL", [1]),
 }
 OUTPUTS = {"output_ids": ("TYPE_INT64", [-1]), "text_output": ("TYPE_STRING", [1])}
 BUILD_DIR = "build"  # inside the version folder
@@ -86,12 +88,14 @@ def parse_request(get, vocab_size: int, encode=None, max_text_bytes: int | None 
     top_k, top_p, seed = scalar("top_k", int), scalar("top_p", float), scalar("seed", int)
     stops = get("stop_ids")
     stream = scalar("stream", bool) or False
+    ignore_eos = scalar("ignore_eos", bool) or False
     if not temperature:
         strategy, temperature = "greedy", 1.0
     else:
         strategy = "top-k" if top_k is not None and top_p is None else "top-p"
     return Request(prompt, max_tokens, strategy, temperature, top_k if top_k is not None else 50,
-                   top_p if top_p is not None else 1.0, seed, [] if stops is None else stops.reshape(-1).tolist()), stream
+                   top_p if top_p is not None else 1.0, seed, [] if stops is None else stops.reshape(-1).tolist(),
+                   ignore_eos), stream
 
 
 class TritonPythonModel:
