@@ -509,6 +509,9 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @click.option("--api-key", envvar="ANDREA_EXPORT_API_KEY", default=None,
               help="The key the front asks of every request but /health (Authorization: Bearer KEY). "
                    "[default: $ANDREA_EXPORT_API_KEY, else none: any client is served]")
+@click.option("--chat-template", type=click.Path(dir_okay=False, exists=True, path_type=Path), default=None,
+              help="A chat template (Hugging Face's Jinja format) for /v1/chat/completions. [default: the build "
+                   "tokenizer's, if it has one]")
 @click.option("--served-model-name", default=None,
               help="The model id the front serves (/v1/models). [default: the Triton model's name]")
 @click.option("--allowed-origins", multiple=True, metavar="ORIGIN",
@@ -536,7 +539,7 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
                    "$ANDREA_EXPORT_SERVE_ENV, else ./.venv-serve, made by `make serve-env`]")
 @_user_errors
 def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key,
-          served_model_name, allowed_origins, max_body_bytes, max_connections, read_timeout, access_log, slots,
+          chat_template, served_model_name, allowed_origins, max_body_bytes, max_connections, read_timeout, access_log, slots,
           prefill_chunk, step_tokens, env):
     """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
     streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
@@ -553,6 +556,7 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
     import signal
     import threading
 
+    from . import userfiles
     from .deploy.openai_front import Limits
     from .deploy.server import FrontOptions, start
     from .progress import console, step, warn
@@ -560,7 +564,8 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
     front = None if no_openai else FrontOptions(
         host, openai_port, api_key, served_model_name,
         Limits(max_body_bytes=max_body_bytes, max_connections=max_connections, read_timeout_s=read_timeout),
-        tuple(allowed_origins), access_log)
+        tuple(allowed_origins), access_log,
+        userfiles.read_text(chat_template, 1 << 20, "a chat template", ConfigError) if chat_template else None)
     for what, where, guarded in (("the OpenAI front", None if no_openai else host, api_key), ("Triton", triton_host, None)):
         if where is not None and not _loopback(where):
             warn(f"{what} listens on {where}, beyond this machine"

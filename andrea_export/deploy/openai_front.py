@@ -29,13 +29,15 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from .. import userfiles
-from ..names import MAX_SEED
+from ..names import EOT, MAX_SEED
 from .triton.served import longest_token_bytes
 
 UNSUPPORTED = ("echo", "logprobs", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
+CHAT_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "tools",
+                    "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls")
 ACCESS_LOG = "andrea_export.front.access"  # one line a request: client, method, path, status (never a prompt)
 
 
@@ -60,6 +62,7 @@ class Model:
     vocab_size: int
     tokenizer: Any = None  # a tokenizers.Tokenizer, or None: token-id prompts only
     eos_id: int | None = None  # the end-of-text token the generate model stops at (runtime.eos_id)
+    chat_template: str | None = None  # Hugging Face's Jinja format: what /v1/chat/completions renders messages with
 
     @property
     def prompt_byte_bound(self) -> int:
@@ -89,11 +92,9 @@ def _completion_request():
         model_config = ConfigDict(strict=True, extra="allow")
         include_usage: bool = False
 
-    class CompletionRequest(BaseModel):
+    class Sampled(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
         model: str | None = None
-        prompt: str | list[int] | list[str] | list[list[int]]
-        max_tokens: Annotated[int, Field(ge=1)] = 16
         temperature: Annotated[float, Field(ge=0)] = 1.0
         top_p: Annotated[float, Field(gt=0, le=1)] | None = None
         seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
@@ -103,50 +104,127 @@ def _completion_request():
         n: int = 1
         ignore_eos: bool = False  # vLLM's extension: run on past the end-of-text token
 
-    return CompletionRequest
+    class CompletionRequest(Sampled):
+        prompt: str | list[int] | list[str] | list[list[int]]
+        max_tokens: Annotated[int, Field(ge=1)] = 16
+
+    class Part(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+        type: Literal["text"]
+        text: str
+
+    class Message(BaseModel):
+        model_config = ConfigDict(strict=True, extra="allow")
+        role: str
+        content: str | list[Part] | None = None
+
+    class ChatRequest(Sampled):
+        messages: Annotated[list[Message], Field(min_length=1)]
+        max_tokens: Annotated[int, Field(ge=1)] | None = None  # none: the rest of the context
+        max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+
+    return CompletionRequest, ChatRequest
 
 
 @dataclasses.dataclass
 class Completion:
-    """A checked request: the prompt still as given (text is tokenized later, off the event loop)."""
+    """A checked request: the prompt still as given (text is tokenized later, off the event loop), or a chat's
+    messages (rendered by the chat template first)."""
 
     prompt: str | list[int]
     feed: dict  # the generate model's inputs but the prompt
     stops: list[str]
     stream: bool
     include_usage: bool
+    messages: list[dict] | None = None
+
+    @property
+    def chat(self) -> bool:
+        return self.messages is not None
 
 
-def parse(body: dict, model: Model) -> Completion:
-    """A completions request checked against what this server serves (FrontError naming the field)."""
+def _validated(body: dict, model: Model, kind, unsupported: tuple[str, ...]):
+    """`body` as the pydantic model `kind`, for this server's model (FrontError naming the field)."""
     from pydantic import ValidationError
 
     if body.get("model") not in (None, model.name):
         raise FrontError(f"model {str(body.get('model'))[:100]!r} is not served here; this server has {model.name!r}",
                          404, "model_not_found")
-    for key in UNSUPPORTED:
-        if body.get(key) not in (None, False, 0):
+    for key in unsupported:
+        if body.get(key) not in (None, False, 0, []):
             raise FrontError(f"{key} is not supported by this server")
     try:
-        r = _completion_request().model_validate(body)
+        r = kind.model_validate(body)
     except ValidationError as e:
         first = e.errors()[0]
-        where = ".".join(str(p) for p in first["loc"][:2]) or "body"
+        where = ".".join(str(p) for p in first["loc"][:3]) or "body"
         raise FrontError(f"{where}: {first['msg']}") from None
     if r.n != 1:
         raise FrontError("n: only 1 completion per request is supported")
+    return r
+
+
+def parse(body: dict, model: Model) -> Completion:
+    """A completions request checked against what this server serves (FrontError naming the field)."""
+    r = _validated(body, model, _completion_request()[0], UNSUPPORTED)
     prompt = r.prompt[0] if isinstance(r.prompt, list) and len(r.prompt) == 1 and isinstance(r.prompt[0], (str, list)) \
         else r.prompt
     if not (isinstance(prompt, str) or (prompt and all(isinstance(t, int) for t in prompt))):
         raise FrontError("prompt: one string or one list of token ids")
+    return _checked(r, prompt, r.max_tokens)
+
+
+def parse_chat(body: dict, model: Model) -> Completion:
+    """A chat completions request: its messages (text content: a string, or parts of type text) to render."""
+    if model.chat_template is None:
+        raise FrontError("this build's tokenizer has no chat template: start serve with --chat-template FILE "
+                         "(Hugging Face's Jinja format), or use /v1/completions")
+    r = _validated(body, model, _completion_request()[1], CHAT_UNSUPPORTED)
+    messages = [{**m.model_dump(), "content": m.content if not isinstance(m.content, list) else
+                 "".join(p.text for p in m.content)} for m in r.messages]
+    return dataclasses.replace(_checked(r, "", r.max_completion_tokens or r.max_tokens), messages=messages)
+
+
+def _checked(r, prompt, max_tokens: int | None) -> Completion:
     stops = [r.stop] if isinstance(r.stop, str) else (r.stop or [])
     if len(stops) > 4 or not all(stops):
         raise FrontError("stop: a string or up to 4 non-empty strings")
-    feed: dict = {"max_tokens": r.max_tokens, "temperature": float(r.temperature), "stream": True}
+    feed: dict = {"max_tokens": max_tokens, "temperature": float(r.temperature), "stream": True}
     feed.update({k: v for k, v in (("top_p", r.top_p), ("seed", r.seed)) if v is not None})
     if r.ignore_eos:
         feed["ignore_eos"] = True
     return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage))
+
+
+@functools.cache
+def _renderer(template: str):
+    return chat_renderer(template)
+
+
+def chat_renderer(template: str):
+    """`render(messages) -> prompt text` for a Hugging Face chat template, in Jinja's sandbox as transformers
+    renders it (the template comes from a build folder: it may not reach Python's internals); a template that
+    does not compile is a ValueError here, at start."""
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise FrontError(f"the chat template refused the messages: {str(message)[:300]}")
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        compiled = env.from_string(template)
+    except TemplateError as e:
+        raise ValueError(f"the chat template does not compile: {e}") from None
+
+    def render(messages: list[dict]) -> str:
+        try:
+            return compiled.render(messages=messages, add_generation_prompt=True, bos_token=EOT, eos_token=EOT)
+        except TemplateError as e:
+            raise FrontError(f"the chat template failed on these messages: {str(e)[:300]}") from None
+
+    return render
 
 
 async def prompt_ids(c: Completion, model: Model) -> list[int]:
@@ -154,19 +232,25 @@ async def prompt_ids(c: Completion, model: Model) -> list[int]:
     before it is tokenized, and tokenized in a worker thread."""
     import anyio
 
-    if isinstance(c.prompt, str):
+    prompt = c.prompt
+    if c.messages is not None:
+        assert model.chat_template is not None  # parse_chat refused it otherwise
+        prompt = await anyio.to_thread.run_sync(_renderer(model.chat_template), c.messages)
+    if isinstance(prompt, str):
         if model.tokenizer is None:
             raise FrontError("prompt: this build has no tokenizer (build --tokenizer); send a list of token ids")
-        size, bound = len(c.prompt.encode("utf-8", "surrogatepass")), model.prompt_byte_bound
+        size, bound = len(prompt.encode("utf-8", "surrogatepass")), model.prompt_byte_bound
         if size > bound:
             raise FrontError(f"prompt: {size:,} bytes cannot fit the model's context of {model.n_positions} tokens "
                              f"(at most {bound:,} bytes)", code="context_length_exceeded")
-        ids = (await anyio.to_thread.run_sync(model.tokenizer.encode, c.prompt)).ids
+        ids = (await anyio.to_thread.run_sync(model.tokenizer.encode, prompt)).ids
     else:
-        ids = c.prompt
+        ids = prompt
         if (bad := next((t for t in ids if not 0 <= t < model.vocab_size), None)) is not None:
             raise FrontError(f"prompt: token id {bad} is outside the vocabulary [0, {model.vocab_size})")
     n = c.feed["max_tokens"]
+    if n is None:  # a chat without a length: the rest of the context
+        n = c.feed["max_tokens"] = max(1, model.n_positions - len(ids))
     if len(ids) + n > model.n_positions:
         raise FrontError(f"prompt ({len(ids)} tokens) + max_tokens ({n}) = {len(ids) + n} exceeds the model's context "
                          f"of {model.n_positions} tokens", code="context_length_exceeded")
@@ -245,10 +329,34 @@ def _upstream_error(body: bytes) -> str:
         return text[:500]
 
 
-def _chunk(cid: str, created: int, model: str, text: str, finish: str | None = None) -> dict:
-    """One text_completion object: the whole answer, or one event of a stream."""
-    return {"id": cid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]}  # fmt: skip
+class _Shape:
+    """The objects of one answer, as OpenAI's API shapes them: a completion's text_completion (whole or each
+    event of its stream), a chat's chat.completion or chat.completion.chunk (the first delta with the role)."""
+
+    def __init__(self, model: str, chat: bool):
+        self.chat, self.started = chat, False
+        self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
+                     "model": model}
+
+    def piece(self, text: str, finish: str | None) -> dict:
+        if not self.chat:
+            return self._doc("text_completion", {"text": text, "finish_reason": finish})
+        delta = {"content": text} if self.started else {"role": "assistant", "content": text}
+        self.started = True
+        return self._doc("chat.completion.chunk", {"delta": delta, "finish_reason": finish})
+
+    def whole(self, text: str, finish: str | None, usage: dict) -> dict:
+        choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {**self._doc("chat.completion" if self.chat else "text_completion", {**choice, "finish_reason": finish}),
+                "usage": usage}
+
+    def usage(self, usage: dict) -> dict:
+        """The last event of a stream that asked for usage (stream_options.include_usage): no choices."""
+        return {**self.head, "object": "chat.completion.chunk" if self.chat else "text_completion", "choices": [],
+                "usage": usage}
+
+    def _doc(self, kind: str, choice: dict) -> dict:
+        return {**self.head, "object": kind, "choices": [{"index": 0, **choice, "logprobs": None}]}
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
@@ -310,19 +418,25 @@ def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
-        c = parse(await read_body(request, limits), model)
+        return await answer(request, parse(await read_body(request, limits), model))
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    async def chat_completions(request: Request):
+        return await answer(request, parse_chat(await read_body(request, limits), model))
+
+    async def answer(request: Request, c: Completion):
         ids = await prompt_ids(c, model)
-        answer = pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id)
+        tokens = pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id)
         try:
-            first = await anext(answer)  # an upstream error comes before any token: answer it as an error
+            first = await anext(tokens)  # an upstream error comes before any token: answer it as an error
         except BaseException:
-            await answer.aclose()
+            await tokens.aclose()
             raise
-        chunk = _chunker(model.name)
+        shape = _Shape(model.name, c.chat)
         if c.stream:
-            return StreamingResponse(_events(chunk, first, answer, len(ids), c.include_usage),
+            return StreamingResponse(_events(shape, first, tokens, len(ids), c.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(request, chunk, first, answer, len(ids))
+        return await _whole(request, shape, first, tokens, len(ids))
 
     return app
 
@@ -359,12 +473,7 @@ def _key_check(api_key: str | None):
     return authorized
 
 
-def _chunker(model_name: str):
-    cid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    return lambda text, finish=None: _chunk(cid, created, model_name, text, finish)
-
-
-async def _whole(request, chunk, first: tuple, answer, prompt_tokens: int) -> dict:
+async def _whole(request, shape: _Shape, first: tuple, answer, prompt_tokens: int) -> dict:
     """The completion in one JSON answer, with its usage; a client that leaves first ends the upstream request."""
     text, count, finish = first
     try:
@@ -374,21 +483,21 @@ async def _whole(request, chunk, first: tuple, answer, prompt_tokens: int) -> di
                 raise FrontError("the client left", 499)
     finally:
         await answer.aclose()
-    return {**chunk(text, finish), "usage": _usage(prompt_tokens, count)}
+    return shape.whole(text, finish, _usage(prompt_tokens, count))
 
 
-async def _events(chunk, first: tuple, answer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
     """The completion as server-sent events: each piece as it comes, the finish reason on the last, usage after
     it when asked, then [DONE]; an error after the first token is one final error event."""
     count = first[1]
     try:
-        yield _event(chunk(first[0], first[2]))
+        yield _event(shape.piece(first[0], first[2]))
         if first[2] is None:
             async for text, n, finish in answer:
                 count += n
-                yield _event(chunk(text, finish))
+                yield _event(shape.piece(text, finish))
         if include_usage:
-            yield _event({**chunk("", None), "choices": [], "usage": _usage(prompt_tokens, count)})
+            yield _event(shape.usage(_usage(prompt_tokens, count)))
     except FrontError as e:
         yield _event(_error(str(e)))
     finally:

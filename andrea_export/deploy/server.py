@@ -70,6 +70,7 @@ class FrontOptions:
     limits: Any = None  # openai_front.Limits; None: its defaults
     allowed_origins: tuple[str, ...] = ()  # CORS, for browsers on those origins
     access_log: bool = False  # one line a request (no prompt text) on openai_front.ACCESS_LOG
+    chat_template: str | None = None  # Hugging Face's Jinja format; None: the build tokenizer's, if it has one
 
 
 def serve_python(env: str | Path | None = None) -> Path:
@@ -232,8 +233,16 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
     cfg = read_manifest(build_dir, full=False)["model"]
     from ..runtime import eos_id
 
+    from .openai_front import chat_renderer
+
+    template = opts.chat_template or _chat_template(build_dir)
+    try:
+        if template is not None:
+            chat_renderer(template)
+    except ValueError as e:
+        raise ServeError(str(e)) from None
     model = Model(opts.served_model_name or server.model, server.model, cfg["n_positions"], cfg["vocab_size"],
-                  _tokenizer(build_dir), eos_id(build_dir))
+                  _tokenizer(build_dir), eos_id(build_dir), template)
     upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
     try:
         server.front = start_front(model, upstream, opts.host, opts.port, api_key=opts.api_key,
@@ -311,6 +320,22 @@ def _tokenizer(build_dir):
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(str(path))
+
+
+def _chat_template(build_dir) -> str | None:
+    """The chat template of the build's tokenizer (tokenizer_config.json's `chat_template`), or None."""
+    from .. import userfiles
+    from ..errors import InputError
+    from ..folder.reader import inside
+    from ..names import TOKENIZER_CONFIG_FILE
+    from ..runtime import tokenizer_path
+
+    if tokenizer_path(build_dir) is None or not (Path(build_dir) / TOKENIZER_CONFIG_FILE).exists():
+        return None
+    config = userfiles.read_json(inside(build_dir, TOKENIZER_CONFIG_FILE, "a tokenizer_config.json", InputError,
+                                        flat=True), userfiles.MAX_JSON_BYTES, "a tokenizer_config.json", InputError)
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    return template if isinstance(template, str) and template.strip() else None
 
 
 def _wait_ready(server: Server, timeout: float) -> None:

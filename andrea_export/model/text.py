@@ -131,12 +131,17 @@ def train_tokenizer(docs: Sequence[str], vocab_size: int = VOCAB_SIZE):
     return tok
 
 
+# A chat template for a model that was never taught to chat: each message's text on its own lines, nothing the
+# model would not know (Hugging Face's Jinja format), so chat clients work with a plain continuation.
+PLAIN_CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}\n{% endfor %}"
+
+
 def tokenizer_config(n_positions: int) -> dict:
     """The `tokenizer_config.json` beside a tokenizer.json of ours: a GPT-2 byte-level BPE with EOT as its
     special token, which transformers' AutoTokenizer and onnxruntime-genai's `og.Tokenizer` need to load it
-    (both encode as `tokenizers` does: tested)."""
+    (both encode as `tokenizers` does: tested), and the plain chat template `serve`'s chat route renders."""
     return {"tokenizer_class": "GPT2Tokenizer", "bos_token": EOT, "eos_token": EOT, "unk_token": EOT,
-            "add_prefix_space": False, "model_max_length": n_positions}
+            "add_prefix_space": False, "model_max_length": n_positions, "chat_template": PLAIN_CHAT_TEMPLATE}
 
 
 def write_tokenizer_files(tokenizer: str | Path, folder: str | Path, n_positions: int) -> list[str]:

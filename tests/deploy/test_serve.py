@@ -442,7 +442,14 @@ def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(serv
         ("POST", "/v1/completions", b"{}", {"Content-Length": str(2 << 20)}, 413, "over the"),
         ("POST", "/v1/completions", b"x" * (6 << 20), {"Content-Type": "application/x-www-form-urlencoded",
                                                         "Content-Length": str(6 << 20)}, 413, "over the"),
-        ("POST", "/v1/chat/completions", b"{}", None, 404, "no route"),
+        ("POST", "/v1/chat/completions", b"{}", None, 400, "messages: Field required"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": []}).encode(), None, 400, "messages"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": 5}]}).encode(), None,
+         400, "messages.0.content"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x"}],
+                                                     "tools": [{"type": "function"}]}).encode(), None, 400, "tools"),
+        ("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "x" * 20000}]}).encode(),
+         None, 400, "cannot fit the model's context"),
         ("GET", "/v1/secrets", b"", None, 404, "no route"),
         ("GET", "/v1/models/gpt-4", b"", None, 404, "not served here"),
         ("POST", "/v1/completions", json.dumps({"model": "gpt-4", "prompt": "x"}).encode(), None, 404, "not served here"),
@@ -469,6 +476,53 @@ def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(serv
     status, answer = _post(f"{server.endpoints()['openai']}/completions", {"prompt": [5, 6], "max_tokens": 3, "temperature": 0})
     assert status == 200
     assert json.loads(answer)["usage"]["completion_tokens"] == 3
+
+
+def test_chat_completions_render_the_builds_template(server):
+    """The build's tokenizer carries a plain chat template (each message's text on its own line), so the openai
+    client's chat calls, streamed and not, answer what /v1/completions answers for the rendered prompt."""
+    openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
+    client = openai.OpenAI(base_url=server.endpoints()["openai"], api_key="unused")
+    plain = client.completions.create(model=server.model, prompt="Create a new\n", max_tokens=12, temperature=0)
+    ask = dict(model=server.model, messages=[{"role": "user", "content": "Create a new"}], max_tokens=12, temperature=0)
+    r = client.chat.completions.create(**ask)
+    assert (r.object, r.choices[0].message.role, r.choices[0].message.content) == (
+        "chat.completion", "assistant", plain.choices[0].text)
+    assert (r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens) == (
+        plain.choices[0].finish_reason, plain.usage.prompt_tokens, plain.usage.completion_tokens)
+    chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].object == "chat.completion.chunk" and chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == plain.choices[0].text
+    assert chunks[-2].choices[0].finish_reason == plain.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == plain.usage.completion_tokens
+    parts = client.chat.completions.create(model=server.model, temperature=0, max_completion_tokens=12,
+                                           messages=[{"role": "user", "content": [{"type": "text", "text": "Create a new"}]}])
+    assert parts.choices[0].message.content == plain.choices[0].text
+    rest = client.chat.completions.create(model=server.model, temperature=0, messages=ask["messages"])
+    assert rest.choices[0].finish_reason == "stop" or rest.usage.total_tokens == 128  # no length: the context's rest
+
+
+def test_a_chat_without_a_template_names_the_option(front):
+    body = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
+    status, answer = _raw("127.0.0.1", front.port, "POST", "/v1/chat/completions", body,
+                          {"Authorization": "Bearer sesame", "Content-Length": str(len(body))})
+    assert status == 400 and "--chat-template FILE" in json.loads(answer)["error"]["message"]
+
+
+def test_chat_templates_render_in_jinjas_sandbox():
+    """A template comes from a build folder: it may not reach Python's internals; one that does not compile is
+    refused when the front starts."""
+    from andrea_export.deploy.openai_front import FrontError, chat_renderer
+    from andrea_export.model.text import PLAIN_CHAT_TEMPLATE
+
+    assert chat_renderer(PLAIN_CHAT_TEMPLATE)([{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]) \
+        == "a\nb\n"
+    with pytest.raises(FrontError, match="failed on these messages"):
+        chat_renderer("{{ ''.__class__.__mro__[1].__subclasses__() }}")([])
+    with pytest.raises(FrontError, match="refused the messages: no system"):
+        chat_renderer("{{ raise_exception('no system') }}")([])
+    with pytest.raises(ValueError, match="does not compile"):
+        chat_renderer("{% for %}")
 
 
 def test_a_long_text_prompt_is_refused_in_proportion_to_the_context(server, demo_dir):
