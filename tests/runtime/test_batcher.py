@@ -265,3 +265,49 @@ def test_the_slot_cache_commits_its_memory_when_made(session):
         assert libc.mincore(ctypes.c_void_p(start), ctypes.c_size_t(length), vec) == 0, ctypes.get_errno()
         resident = sum(v & 1 for v in vec)
         assert resident == len(vec), f"{resident} of {len(vec)} pages resident"
+
+
+def test_a_cancelled_request_leaves_its_slot_at_the_next_step(session):
+    """Cancelled mid-decode, a request's slot is free when its final event comes (the batcher's own state says
+    so), and every step after it decodes the other request alone: it does not ride along, silently, to its
+    max_new_tokens."""
+    a, other = Collector(), Collector()
+    three = threading.Event()
+
+    def on_a(e):
+        a(e)
+        if len(a.tokens) == 3:
+            three.set()
+
+    with Batcher(session, slots=2) as b:
+        ta = b.submit(Request([1, 2, 3], 100), on_a)
+        b.submit(Request([4, 5], 60), other)
+        assert three.wait(30)
+        ta.cancel()
+        assert a.done.wait(30) and a.final.reason == "cancelled"
+        assert b.slots[0] is None  # the first request took the lowest slot
+        since = len(b.step_rows)
+        assert other.done.wait(30)
+    after = b.step_rows[since:]
+    assert after and set(after) == {1}, after
+    assert other.tokens == session.generate([4, 5], 60)
+
+
+@pytest.mark.parametrize("prompt_len", [127, 126, 100])
+def test_a_prompt_filling_the_context_joins_below_a_decoding_row(session, prompt_len):
+    """A prompt that fills the context to its last position joins, in chunks, a slot below a request that is
+    decoding (so its row in the decoding run is a pad, which must land where neither its chunk nor anyone
+    reads); the decoding request itself runs to the context's end. Both get their tokens alone."""
+    n = session.cfg.n_positions
+    rng = np.random.default_rng(prompt_len)
+    first, joining = rng.integers(0, 8449, 5).tolist(), rng.integers(0, 8449, prompt_len).tolist()
+    runner = Request(rng.integers(0, 8449, 10).tolist(), n - 10)  # to the context's last position
+    short, long_, late = Collector(), Collector(), Collector()
+    with Batcher(session, slots=2, prefill_chunk=16) as b:
+        b.submit(Request(first, 2), short)  # slot 0, soon free again
+        b.submit(runner, long_)  # slot 1: decodes while the long prompt joins in slot 0
+        assert short.done.wait(30)
+        b.submit(Request(joining, n - prompt_len), late)
+        assert long_.done.wait(60) and late.done.wait(60)
+    assert long_.tokens == session.generate_batch([runner])[0]
+    assert late.tokens == session.generate(joining, n - prompt_len)
