@@ -1,7 +1,8 @@
 """The toolkit's errors: user errors (bad input, missing dependency) that the CLI prints as one clear
 line and exits non-zero. Anything else is a bug and keeps its traceback. Also the two checks for optional
 modules (`require`, `installed`) and the driver's answers on the GPU (`gpu_compute_capability`,
-`detect_compute_capability`, `cuda_driver_version`: the one libcuda probe), so that every layer can use them."""
+`detect_compute_capability`, `cuda_driver_version`: the one libcuda probe) and the host's
+(`available_memory`), so that every layer can use them."""
 
 import ctypes
 import importlib
@@ -113,3 +114,25 @@ def _libcuda():
         return ctypes.CDLL("libcuda.so.1")
     except OSError:
         return None
+
+
+def available_memory() -> int | None:
+    """Bytes this process may still take: the kernel's MemAvailable, or less where a cgroup (a container, CI)
+    caps memory below it; None where neither can be read (not Linux)."""
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    limits.append(int(line.split()[1]) * 1024)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                limits.append(int(cap) - int(f.read().strip()))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None

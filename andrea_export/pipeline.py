@@ -179,6 +179,8 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
     opts = opts.check()  # every option, before anything is loaded or built
     cfg = load_config(opts.config) if opts.config else None
+    if cfg is not None:
+        check_build_memory(cfg)  # before the weights are allocated
     checked = _check_for_model(opts, cfg) if cfg is not None else None  # before the model is loaded
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
@@ -188,6 +190,7 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
 
         raise ConfigError(STRIP_REFUSED_RTX)
     model = _load_model(opts, cfg)
+    check_build_memory(model.cfg)  # a checkpoint's config is known once it is read
     profiles, evaluation = checked if checked is not None and model.cfg == cfg else _check_for_model(opts, model.cfg)
     cfg = model.cfg
     out = Path(opts.out or f"out/{cfg.name}-{opts.precision}")
@@ -214,6 +217,32 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
                              "while it is staged) and run it again") from None
         raise
     return manifest
+
+
+# What a build takes at its peak, measured with /usr/bin/time -v (benchmarks/README.md): 0.90 GB for andrea-tiny
+# (the libraries), 4.90 GB for ANDREA-120M fp32 (92.3 M parameters): about 43 bytes a parameter beyond the base,
+# the weights held at once by PyTorch, the exported graphs, the verification's runners and the engine builder.
+BUILD_BASE_BYTES = 1 << 30
+BUILD_BYTES_PER_PARAM = 48  # the measured 43, with a margin
+
+
+def build_memory(cfg) -> int:
+    """The bytes a build of `cfg` takes at its peak (an estimate from measured builds)."""
+    return BUILD_BASE_BYTES + BUILD_BYTES_PER_PARAM * cfg.n_params
+
+
+def check_build_memory(cfg, available: int | None = None) -> None:
+    """ConfigError when the build of `cfg` would take more memory than this machine has free (`available`;
+    default: errors.available_memory()): said before any of it is allocated, instead of the kernel's OOM kill
+    minutes later."""
+    from .errors import available_memory
+
+    free = available_memory() if available is None else available
+    need = build_memory(cfg)
+    if free is not None and need > free:
+        raise ConfigError(f"model config '{cfg.name}': {cfg.n_params:,} parameters; building it takes about "
+                          f"{need / 1e9:.1f} GB of memory at its peak, and this machine has {free / 1e9:.1f} GB "
+                          "available: build it on a machine with more memory, or a smaller model")
 
 
 def _check_engine_gate_dependencies() -> None:
