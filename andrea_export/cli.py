@@ -520,6 +520,8 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
               help="Largest request body the front reads (413 beyond).")
 @click.option("--max-connections", type=click.IntRange(1), default=512, show_default=True,
               help="Connections the front holds at once (503 beyond).")
+@click.option("--max-requests", type=click.IntRange(1), default=256, show_default=True,
+              help="Completions the front has in flight at once, decoding or waiting for a slot (503 beyond).")
 @click.option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds a client has to send its whole request body (408 after).")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
@@ -539,8 +541,8 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
                    "$ANDREA_EXPORT_SERVE_ENV, else ./.venv-serve, made by `make serve-env`]")
 @_user_errors
 def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key,
-          chat_template, served_model_name, allowed_origins, max_body_bytes, max_connections, read_timeout, access_log, slots,
-          prefill_chunk, step_tokens, env):
+          chat_template, served_model_name, allowed_origins, max_body_bytes, max_connections, max_requests,
+          read_timeout, access_log, slots, prefill_chunk, step_tokens, env):
     """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
     streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
     front. Ctrl-C or SIGTERM stops accepting, finishes the requests in flight, and exits 0.
@@ -563,7 +565,8 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
 
     front = None if no_openai else FrontOptions(
         host, openai_port, api_key, served_model_name,
-        Limits(max_body_bytes=max_body_bytes, max_connections=max_connections, read_timeout_s=read_timeout),
+        Limits(max_body_bytes=max_body_bytes, max_connections=max_connections, read_timeout_s=read_timeout,
+               max_requests=max_requests),
         tuple(allowed_origins), access_log,
         userfiles.read_text(chat_template, 1 << 20, "a chat template", ConfigError) if chat_template else None)
     for what, where, guarded in (("the OpenAI front", None if no_openai else host, api_key), ("Triton", triton_host, None)):

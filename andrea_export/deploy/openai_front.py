@@ -50,6 +50,7 @@ class Limits:
     read_timeout_s: float = 30.0  # to send the whole body; 408 after
     keep_alive_s: int = 5  # an idle connection between requests is closed after
     backlog: int = 2048  # connections the kernel queues before accept (a burst of clients)
+    max_requests: int = 256  # completions in flight at once (decoding or waiting for a slot); 503 beyond
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,15 +369,89 @@ def _event(doc: dict) -> bytes:
     return b"data: " + json.dumps(doc).encode() + b"\n\n"
 
 
+# -- what a person serving it reads -------------------------------------------------------------------------
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 300.0)
+
+
+class Metrics:
+    """The front's Prometheus metrics, by vLLM's names under `andrea:` (one registry per front): requests by how
+    they ended (answered to the end, by finish reason; refused or failed, by HTTP status; left by their client),
+    time to first token, inter-token latency and end-to-end latency as the client sees them, prompt and
+    generated tokens, completions in flight."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        r = self.registry = CollectorRegistry()
+        self.success = Counter("andrea:request_success", "Completions answered to their end, by finish reason",
+                               ["finished_reason"], registry=r)
+        self.errors = Counter("andrea:request_errors", "Requests refused or failed, by HTTP status", ["code"],
+                              registry=r)
+        self.cancelled = Counter("andrea:requests_cancelled", "Completions whose client left before the end",
+                                 registry=r)
+        self.running = Gauge("andrea:num_requests_running", "Completions in flight (decoding or waiting for a slot)",
+                             registry=r)
+        self.prompt_tokens = Counter("andrea:prompt_tokens", "Prompt tokens of the completions started", registry=r)
+        self.generation_tokens = Counter("andrea:generation_tokens", "Tokens generated and sent", registry=r)
+        self.ttft = Histogram("andrea:time_to_first_token_seconds", "From the request to its first token",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("andrea:inter_token_latency_seconds", "Between a completion's successive tokens",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("andrea:e2e_request_latency_seconds", "From the request to its last token",
+                             buckets=E2E_BUCKETS, registry=r)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+async def _metered(tokens, m: Metrics, t0: float, prompt_tokens: int, state: dict):
+    """`tokens` (pieces()) passed on, measured: its first token, the gaps between tokens, how it ended; counted
+    among the completions in flight (state["in_flight"]) from its first step to its end, however it ends."""
+    import asyncio
+
+    state["in_flight"] += 1
+    m.running.inc()
+    m.prompt_tokens.inc(prompt_tokens)
+    last, ended = None, False
+    try:
+        async for text, n, finish in tokens:
+            now = time.monotonic()
+            if n:
+                if last is None:
+                    m.ttft.observe(now - t0)
+                else:
+                    for _ in range(n):
+                        m.itl.observe((now - last) / n)
+                m.generation_tokens.inc(n)
+                last = now
+            if finish:
+                ended = True
+                m.success.labels(finish).inc()
+                m.e2e.observe(now - t0)
+            yield text, n, finish
+    except (GeneratorExit, asyncio.CancelledError):
+        if not ended:  # closed before its end: its client left
+            m.cancelled.inc()
+        raise
+    finally:
+        state["in_flight"] -= 1
+        m.running.dec()
+        await tokens.aclose()
+
+
 # -- the app -----------------------------------------------------------------------------------------------
 def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits: Limits = Limits(),
              allowed_origins: tuple[str, ...] = (), access_log: bool = False):
     """The FastAPI app of one front: `upstream` is the generate model's /generate_stream URL."""
     import httpx
     from fastapi import Depends, FastAPI, Request
-    from fastapi.responses import StreamingResponse
 
-    state: dict = {}
+    metrics = Metrics()
+    state: dict = {"in_flight": 0, "metrics": metrics}  # and the upstream client, while the app runs
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -386,6 +461,7 @@ def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits:
             yield
 
     app = FastAPI(title="andrea-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.metrics = metrics
     if access_log:
         app.add_middleware(_AccessLog)
     if allowed_origins:
@@ -401,6 +477,13 @@ def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits:
     @app.get("/v1/health")
     async def health():
         return {"status": "ok"}
+
+    @app.get("/metrics", dependencies=[Depends(authorized)])
+    async def prometheus():
+        from fastapi.responses import Response
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     card = {"id": model.name, "object": "model", "created": 0, "owned_by": "andrea-export",
             "max_model_len": model.n_positions}
@@ -418,27 +501,38 @@ def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits:
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
     async def completions(request: Request):
-        return await answer(request, parse(await read_body(request, limits), model))
+        return await _answer(request, parse(await read_body(request, limits), model), model, upstream, limits, state)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
     async def chat_completions(request: Request):
-        return await answer(request, parse_chat(await read_body(request, limits), model))
-
-    async def answer(request: Request, c: Completion):
-        ids = await prompt_ids(c, model)
-        tokens = pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id)
-        try:
-            first = await anext(tokens)  # an upstream error comes before any token: answer it as an error
-        except BaseException:
-            await tokens.aclose()
-            raise
-        shape = _Shape(model.name, c.chat)
-        if c.stream:
-            return StreamingResponse(_events(shape, first, tokens, len(ids), c.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(request, shape, first, tokens, len(ids))
+        return await _answer(request, parse_chat(await read_body(request, limits), model), model, upstream,
+                             limits, state)
 
     return app
+
+
+async def _answer(request, c: Completion, model: Model, upstream: str, limits: Limits, state: dict):
+    """One completion or chat: checked against the limits, its prompt tokenized, its tokens from the generate
+    model, answered whole or streamed."""
+    from fastapi.responses import StreamingResponse
+
+    metrics = state["metrics"]
+    t0 = time.monotonic()
+    ids = await prompt_ids(c, model)
+    if state["in_flight"] >= limits.max_requests:  # no await from here to _metered's count
+        raise FrontError(f"the server is busy: {limits.max_requests} completions in flight; retry later", 503)
+    tokens = _metered(pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id),
+                      metrics, t0, len(ids), state)
+    try:
+        first = await anext(tokens)  # an upstream error comes before any token: answer it as an error
+    except BaseException:
+        await tokens.aclose()
+        raise
+    shape = _Shape(model.name, c.chat)
+    if c.stream:
+        return StreamingResponse(_events(shape, first, tokens, len(ids), c.include_usage, metrics),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return await _whole(request, shape, first, tokens, len(ids))
 
 
 def _answer_errors_as_openai_does(app) -> None:
@@ -447,12 +541,16 @@ def _answer_errors_as_openai_does(app) -> None:
     from starlette.exceptions import HTTPException
 
     @app.exception_handler(FrontError)
-    async def front_error(_request, e: FrontError):
+    async def front_error(request, e: FrontError):
+        if e.status != 499:  # a client that left is counted as cancelled
+            request.app.state.metrics.errors.labels(str(e.status)).inc()
         kind = "authentication_error" if e.status == 401 else "invalid_request_error"
-        return JSONResponse(_error(str(e), kind, e.code), e.status)
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return JSONResponse(_error(str(e), kind, e.code), e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
+        request.app.state.metrics.errors.labels(str(e.status_code)).inc()
         message = f"no route {request.url.path[:200]}" if e.status_code == 404 else str(e.detail)
         return JSONResponse(_error(message, "not_found" if e.status_code == 404 else "invalid_request_error"),
                             e.status_code)
@@ -486,7 +584,8 @@ async def _whole(request, shape: _Shape, first: tuple, answer, prompt_tokens: in
     return shape.whole(text, finish, _usage(prompt_tokens, count))
 
 
-async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, include_usage: bool,
+                  metrics: Metrics) -> AsyncIterator[bytes]:
     """The completion as server-sent events: each piece as it comes, the finish reason on the last, usage after
     it when asked, then [DONE]; an error after the first token is one final error event."""
     count = first[1]
@@ -499,6 +598,7 @@ async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, inclu
         if include_usage:
             yield _event(shape.usage(_usage(prompt_tokens, count)))
     except FrontError as e:
+        metrics.errors.labels(str(e.status)).inc()
         yield _event(_error(str(e)))
     finally:
         await answer.aclose()

@@ -525,6 +525,40 @@ def test_chat_templates_render_in_jinjas_sandbox():
         chat_renderer("{% for %}")
 
 
+def test_the_front_counts_what_a_person_serving_it_reads(server):
+    """Prometheus metrics at the front's /metrics, by vLLM's names under andrea: completions by finish reason,
+    errors by status, prompt and generated tokens, time to first token, inter-token and end-to-end latency,
+    completions in flight."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        status, body = _raw(server.front_host, server.ports["openai"], "GET", "/metrics")
+        assert status == 200
+        return {(m.name, tuple(sorted(m.labels.items()))): m.value
+                for family in text_string_to_metric_families(body.decode()) for m in family.samples}
+
+    before = scrape()
+    url = f"{server.endpoints()['openai']}/completions"
+    assert _post(url, {"prompt": [5, 6, 7], "max_tokens": 5, "temperature": 0})[0] == 200
+    status, body = _post(url, {"prompt": [8, 9, 10], "max_tokens": 4, "temperature": 0, "stream": True})
+    assert status == 200 and body.endswith(b"data: [DONE]\n\n")
+    assert _post(url, {"prompt": [99999], "max_tokens": 4})[0] == 400
+    assert _post(url, {"prompt": [1], "max_tokens": "x"})[0] == 400
+    after = scrape()
+
+    def grew(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0) - before.get(key, 0)
+
+    assert grew("andrea:request_success_total", finished_reason="length") == 2
+    assert grew("andrea:request_errors_total", code="400") == 2
+    assert grew("andrea:prompt_tokens_total") == 6 and grew("andrea:generation_tokens_total") == 9
+    assert grew("andrea:time_to_first_token_seconds_count") == 2 and grew("andrea:e2e_request_latency_seconds_count") == 2
+    assert 0 < grew("andrea:inter_token_latency_seconds_count") <= 7
+    assert after[("andrea:num_requests_running", ())] == 0
+    assert grew("andrea:requests_cancelled_total") == 0
+
+
 def test_a_long_text_prompt_is_refused_in_proportion_to_the_context(server, demo_dir):
     """The byte bound is the context times the longest token: a text just under it is tokenized and checked by its
     tokens, one just over is refused unread, and a 1 MB one costs no more than that."""
@@ -573,7 +607,8 @@ def test_the_key_is_asked_on_every_route_but_health(front):
     base = f"http://127.0.0.1:{front.port}/v1"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=base, api_key="wrong").models.list()
-    for path, body in (("/v1/models", b""), ("/v1/models/andrea", b""), ("/v1/completions", _completion([1], max_tokens=2))):
+    for path, body in (("/v1/models", b""), ("/v1/models/andrea", b""), ("/metrics", b""),
+                       ("/v1/completions", _completion([1], max_tokens=2))):
         status, answer = _raw("127.0.0.1", front.port, "POST" if body else "GET", path, body)
         assert status == 401 and json.loads(answer)["error"]["code"] == "invalid_api_key", (path, answer)
     assert _raw("127.0.0.1", front.port, "GET", "/health")[0] == 200
