@@ -83,6 +83,7 @@ class _Slot:
     held: int = 0  # tokens in the cache (the prompt's, then one per decode step)
     last: int | None = None  # the token to feed next (None: still prefilling)
     produced: int = 0
+    submitted: float = dataclasses.field(default_factory=time.monotonic)
 
 
 ADMIT = ("in-flight", "whole")
@@ -101,11 +102,12 @@ class Batcher:
     runs until its last request ends: batching of whole requests, as a dynamic batcher does, for comparison)."""
 
     def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 64, admit: str = "in-flight",
-                 step_tokens: int | None = None):
+                 step_tokens: int | None = None, on_admit: Callable[[float], None] | None = None):
         for name, value in (("prefill_chunk", prefill_chunk), ("step_tokens", 1 if step_tokens is None else step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         self.step_tokens = step_tokens
+        self.on_admit = on_admit  # gets each request's seconds in the queue, on the engine thread, as it takes a slot
         if admit not in ADMIT:
             raise ValueError(f"admit must be one of {', '.join(ADMIT)}, got {admit!r}")
         self.admit = admit
@@ -156,7 +158,17 @@ class Batcher:
 
     @property
     def active(self) -> int:
-        return sum(s is not None for s in self.slots) + len(self._waiting)
+        return self.running + self.waiting
+
+    @property
+    def running(self) -> int:
+        """Requests in a slot (prefilling or decoding)."""
+        return sum(s is not None for s in self.slots)
+
+    @property
+    def waiting(self) -> int:
+        """Requests queued for a slot."""
+        return len(self._waiting)
 
     # -- the engine thread -------------------------------------------------------------------------------
     def _engine(self) -> None:
@@ -169,7 +181,9 @@ class Batcher:
                 if self.admit == "in-flight" or not any(self.slots):
                     for i in range(len(self.slots)):  # admit, lowest free slot first
                         if self.slots[i] is None and self._waiting:
-                            self.slots[i] = self._waiting.popleft()
+                            slot = self.slots[i] = self._waiting.popleft()
+                            if self.on_admit is not None:
+                                self.on_admit(time.monotonic() - slot.submitted)
             try:
                 self._step()
             except Exception as e:  # the step's state is unknown: end every running request, go on

@@ -559,6 +559,28 @@ def test_the_front_counts_what_a_person_serving_it_reads(server):
     assert grew("andrea:requests_cancelled_total") == 0
 
 
+def test_the_batcher_reports_its_queue_on_tritons_metrics_port(server, ours):
+    """Triton's own metrics cannot see a decoupled model's queue: the generate model reports requests waiting
+    and in a slot, and each one's time in the queue (8 at once into 4 slots: some wait)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict:
+        with urllib.request.urlopen(server.endpoints()["metrics"], timeout=10) as r:
+            text = r.read().decode()
+        return {(m.name, m.labels.get("model")): m.value
+                for family in text_string_to_metric_families(text) for m in family.samples}
+
+    before = scrape()
+    with ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda i: _generate(server, {"input_ids": [1 + i, 2], "max_tokens": 20}), range(8)))
+    assert [o["output_ids"] for o in outs] == [ours.generate([1 + i, 2], 20) for i in range(8)]
+    after = scrape()
+    key = ("andrea_batcher_queue_time_seconds_count", server.model)
+    assert after[key] - before.get(key, 0) == 8
+    assert after[("andrea_batcher_requests_waiting", server.model)] == 0
+    assert after[("andrea_batcher_requests_running", server.model)] == 0
+
+
 def test_a_long_text_prompt_is_refused_in_proportion_to_the_context(server, demo_dir):
     """The byte bound is the context times the longest token: a text just under it is tokenized and checked by its
     tokens, one just over is refused unread, and a 1 MB one costs no more than that."""
@@ -597,7 +619,8 @@ def front(server, demo_build):
 
     model = Model("andrea", server.model, 128, 8449, serve_module._tokenizer(demo_build))
     f = start_front(model, f"{server.url()}/v2/models/{server.model}/generate_stream", "127.0.0.1", 0,
-                    api_key="sesame", limits=Limits(read_timeout_s=1.0, max_connections=6))
+                    api_key="sesame", limits=Limits(read_timeout_s=1.0, max_connections=6),
+                    allowed_origins=("http://app.example",))
     yield f
     f.stop(10)
 
@@ -616,6 +639,28 @@ def test_the_key_is_asked_on_every_route_but_health(front):
     assert [m.id for m in client.models.list()] == ["andrea"] and client.models.retrieve("andrea").id == "andrea"
     r = client.completions.create(model="andrea", prompt=[5, 6], max_tokens=3, temperature=0)
     assert r.usage.completion_tokens == 3 and r.model == "andrea"
+
+
+def test_a_browser_on_an_allowed_origin_passes_cors_and_no_other_does(front):
+    """A preflight from an allowed origin gets its grant (the key is still asked of the request itself); one from
+    another origin gets none, so its browser keeps the page out."""
+    import http.client
+
+    def preflight(origin):
+        c = http.client.HTTPConnection("127.0.0.1", front.port, timeout=10)
+        try:
+            c.request("OPTIONS", "/v1/completions", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization, content-type"})
+            r = c.getresponse()
+            r.read()
+            return r.status, r.getheader("access-control-allow-origin")
+        finally:
+            c.close()
+
+    assert preflight("http://app.example") == (200, "http://app.example")
+    status, granted = preflight("http://evil.example")
+    assert status == 400 and granted is None
 
 
 def test_a_client_that_stalls_is_timed_out_and_a_connection_cap_answers_503(front):

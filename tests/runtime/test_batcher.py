@@ -311,3 +311,17 @@ def test_a_prompt_filling_the_context_joins_below_a_decoding_row(session, prompt
         assert long_.done.wait(60) and late.done.wait(60)
     assert long_.tokens == session.generate_batch([runner])[0]
     assert late.tokens == session.generate(joining, n - prompt_len)
+
+
+def test_the_batcher_says_how_long_each_request_waited_and_how_many_wait(session):
+    """on_admit gets each request's seconds in the queue as it takes a slot (one slot: each waits for the one
+    before it); `waiting` and `running` count the queue and the slots."""
+    waited, got = [], [Collector() for _ in range(3)]
+    with Batcher(session, slots=1, on_admit=waited.append) as b:
+        with b._wake:  # all three queued before the engine admits the first
+            for i, c in enumerate(got):
+                b.submit(Request([1 + i, 2], 12), c)
+            assert (b.waiting, b.running) == (3, 0)
+        assert all(c.done.wait(30) for c in got)
+        assert (b.waiting, b.running) == (0, 0)
+    assert len(waited) == 3 and 0 <= waited[0] < waited[1] < waited[2]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -120,7 +121,10 @@ class TritonPythonModel:
         slots, chunk = int(params.get("slots", "8")), int(params.get("prefill_chunk", "64"))
         admit = params.get("admit", "in-flight")
         budget = int(params["step_tokens"]) if "step_tokens" in params else None
-        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk, admit=admit, step_tokens=budget)
+        self.metrics = _BatcherMetrics(pb_utils, args["model_name"])
+        self.batcher = Batcher(self.session, slots=slots, prefill_chunk=chunk, admit=admit, step_tokens=budget,
+                               on_admit=self.metrics.queued)
+        self.metrics.batcher = self.batcher
         cfg = self.session.cfg
         pb_utils.Logger.log_info(
             f"andrea generate model '{args['model_name']}': {cfg.name} ({cfg.n_layer} layers, context "
@@ -138,6 +142,7 @@ class TritonPythonModel:
                 req, stream = parse_request(lambda n: _input(pb, request, n), self.session.cfg.vocab_size,
                                             self._encode if self.tokenizer else None, self.max_text_bytes)
                 self.batcher.submit(req, self._responder(sender, stream))
+                self.metrics.update()
             except (BadRequest, InputError, RuntimeError) as e:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(str(e))),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
@@ -149,6 +154,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.batcher.stop(drain=True)
+        self.metrics.close()
 
     def _encode(self, text: str) -> list[int]:
         assert self.tokenizer is not None  # handed out only with a tokenizer
@@ -172,6 +178,8 @@ class TritonPythonModel:
                 pb.Logger.log_info(f"a request was cancelled by its client after {len(tokens)} tokens: slot freed")
                 raise ConnectionAbortedError("the client cancelled the request")
             final = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if event.final else 0
+            if event.final:
+                self.metrics.update()
             if event.error:
                 sender.send(pb.InferenceResponse(error=pb.TritonError(event.error)), flags=final)
                 return
@@ -192,6 +200,41 @@ class TritonPythonModel:
                 sender.send(pb.InferenceResponse(tensors(tokens, tok.decode(tokens) if tok else None)), flags=final)
 
         return emit
+
+
+QUEUE_BUCKETS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+
+
+class _BatcherMetrics:
+    """The batcher's state on Triton's metrics port (the Python backend's custom metrics), which Triton's own
+    cannot see (a decoupled model's `execute` returns at once): requests waiting for a slot and in a slot, and
+    each request's time in the queue."""
+
+    def __init__(self, pb, model: str):
+        self.batcher: Any = None  # the model's Batcher, once made (its metrics exist before it)
+        labels, kind = {"model": model}, pb.MetricFamily
+        self.families = [  # kept as long as their metrics (the backend refuses a metric whose family is gone)
+            kind("andrea_batcher_requests_waiting", "Requests queued for a batch slot", kind.GAUGE),
+            kind("andrea_batcher_requests_running", "Requests in a batch slot (prefilling or decoding)", kind.GAUGE),
+            kind("andrea_batcher_queue_time_seconds", "From a request's arrival to its slot", kind.HISTOGRAM)]
+        self.waiting = self.families[0].Metric(labels=labels)
+        self.running = self.families[1].Metric(labels=labels)
+        self.queue = self.families[2].Metric(labels=labels, buckets=QUEUE_BUCKETS)
+
+    def queued(self, seconds: float) -> None:
+        self.queue.observe(seconds)
+        self.update()
+
+    def update(self) -> None:
+        if self.batcher is not None:
+            self.waiting.set(self.batcher.waiting)
+            self.running.set(self.batcher.running)
+
+    def close(self) -> None:
+        """The metrics before their families, as the backend asks."""
+        self.batcher = None
+        del self.waiting, self.running, self.queue
+        self.families.clear()
 
 
 def _input(pb, request, name: str):
