@@ -308,6 +308,17 @@ def test_every_route_stops_at_the_end_of_text_unless_told(eos_build):
         assert (r.choices[0].finish_reason, r.usage.completion_tokens) == ("length", 24)
 
 
+def test_the_model_configuration_names_no_path_of_this_machine(server, demo_build):
+    """Any client may read a model's configuration: the generate model's names no folder (its build is a link
+    beside it); stopping the server removes the link, never the build."""
+    with urllib.request.urlopen(f"{server.url()}/v2/models/{server.model}/config", timeout=10) as r:
+        config = r.read().decode()
+    assert json.loads(config)["name"] == server.model
+    assert str(demo_build.resolve()) not in config and str(server.workspace) not in config and "build_dir" not in config
+    link = server.workspace / "models" / server.model / "1" / "build"
+    assert link.is_symlink() and link.resolve() == demo_build.resolve()
+
+
 def test_health_metrics_and_a_clear_error_for_a_folder_that_is_no_build(server, tmp_path):
     with urllib.request.urlopen(f"{server.url()}/v2/health/ready", timeout=10) as r:
         assert r.status == 200

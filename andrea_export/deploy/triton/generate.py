@@ -47,8 +47,9 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
                          overwrite: bool = False, allow_failed: bool = False,
                          hardlink: bool = True, in_place: bool = False, admit: str = "in-flight", manifest: dict) -> Path:
     """Write REPO/<name> (default `<model>-<precision>-generate`) from the build folder; returns the model folder.
-    `in_place`: the model reads the build folder where it is (its absolute path in the config's parameters)
-    instead of a copy in 1/build/: what `serve` does, for a repository that lives as long as the server."""
+    `in_place`: the model reads the build folder where it is (1/build/ is a link to it, so the configuration
+    Triton shows its clients names no path of this machine) instead of a copy: what `serve` does, for a
+    repository that lives as long as the server."""
     build_dir, repo = Path(build_dir), Path(repo_dir)
     check_status(build_dir, manifest, allow_failed, "the generate model")
     have = manifest["artifacts"]
@@ -82,13 +83,13 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
         cfg.parameters[key].string_value = str(value)
     if step_tokens is not None:
         cfg.parameters["step_tokens"].string_value = str(step_tokens)
-    if in_place:
-        cfg.parameters["build_dir"].string_value = str(build_dir.resolve())
 
     with staged_model_dir(repo, name, overwrite) as model_dir:
         version = model_dir / VERSION_DIR
         version.mkdir()
-        if not in_place:
+        if in_place:
+            (version / BUILD_DIR).symlink_to(build_dir.resolve(), target_is_directory=True)
+        else:
             (version / BUILD_DIR).mkdir()
             for f in files:  # weights copied: onnx refuses a weights file with several hard links
                 place_file(build_dir / f, version / BUILD_DIR / f, hardlink=hardlink and not f.endswith(".data"))

@@ -109,7 +109,7 @@ class TritonPythonModel:
         self.pb = pb_utils
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
-        build = Path(params.get("build_dir") or Path(args["model_repository"]) / args["model_version"] / BUILD_DIR)
+        build = Path(args["model_repository"]) / args["model_version"] / BUILD_DIR  # in place: a link to the build
         self.session = runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
         self.tokenizer = None
         if (tok := runtime.tokenizer_path(build)) is not None:
