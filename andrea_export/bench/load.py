@@ -186,7 +186,7 @@ def run_level_aiperf(aiperf: str, server, build: Path, concurrency: int, count: 
     import subprocess
 
     art = workdir / f"aiperf-{server.model}-{concurrency}-{time.monotonic_ns()}"
-    cmd = [aiperf, "profile", "--model", server.model, "--url", f"http://{server.host}:{server.ports['openai']}",
+    cmd = [aiperf, "profile", "--model", server.model, "--url", f"http://{server.front_host}:{server.ports['openai']}",
            "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
            "--request-count", str(count), "--tokenizer", str(build), "--random-seed", "0",
            "--synthetic-input-tokens-mean", str(isl[0]), "--synthetic-input-tokens-stddev", str(isl[1]),

@@ -12,9 +12,9 @@ tokens and `max_tokens` against the context before Triton sees the request.
 A thin layer, not a second engine: each completion is one request to the generate model's /generate_stream
 (token ids, tokenized here), its tokens passed on as they come; a client that leaves, or a stop string that
 matches, closes that request, which frees its slot at the next step. Honoured: prompt (one string or one list of
-token ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p, seed, stop (strings, matched in
-the text), stream, stream_options.include_usage. Refused with a 400 naming the field: n > 1 and every other
-sampling field (echo, logprobs, best_of, suffix, logit_bias, presence_penalty, frequency_penalty).
+token ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p or top_k, seed, stop (strings,
+matched in the text), stream, stream_options.include_usage, ignore_eos. Refused with a 400 naming the field: n > 1
+and every other sampling field (SAMPLING_UNSUPPORTED, and echo, best_of, suffix).
 """
 
 import contextlib
@@ -35,9 +35,13 @@ from .. import userfiles
 from ..names import EOT, MAX_SEED
 from .triton.served import longest_token_bytes
 
-UNSUPPORTED = ("echo", "logprobs", "best_of", "suffix", "logit_bias", "presence_penalty", "frequency_penalty")
-CHAT_UNSUPPORTED = ("logprobs", "top_logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "tools",
-                    "tool_choice", "functions", "function_call", "response_format", "parallel_tool_calls")
+# Sampling fields of OpenAI's API and of vLLM's extensions that this server does not honour: refused by name
+# (a field set to its neutral value passes), never ignored
+SAMPLING_UNSUPPORTED = ("logprobs", "logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                        "min_p", "min_tokens", "use_beam_search", "length_penalty")
+UNSUPPORTED = ("echo", "best_of", "suffix", *SAMPLING_UNSUPPORTED)
+CHAT_UNSUPPORTED = ("top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
+                    "parallel_tool_calls", *SAMPLING_UNSUPPORTED)
 ACCESS_LOG = "andrea_export.front.access"  # one line a request: client, method, path, status (never a prompt)
 
 
@@ -98,6 +102,7 @@ def _completion_request():
         model: str | None = None
         temperature: Annotated[float, Field(ge=0)] = 1.0
         top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+        top_k: Annotated[int, Field(ge=1)] | None = None  # vLLM's extension
         seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
         stop: str | list[str] | None = None
         stream: bool = False
@@ -191,7 +196,9 @@ def _checked(r, prompt, max_tokens: int | None) -> Completion:
     if len(stops) > 4 or not all(stops):
         raise FrontError("stop: a string or up to 4 non-empty strings")
     feed: dict = {"max_tokens": max_tokens, "temperature": float(r.temperature), "stream": True}
-    feed.update({k: v for k, v in (("top_p", r.top_p), ("seed", r.seed)) if v is not None})
+    if r.top_k is not None and r.top_p is not None:
+        raise FrontError("top_k and top_p: give one of them (the generate model samples with one)")
+    feed.update({k: v for k, v in (("top_p", r.top_p), ("top_k", r.top_k), ("seed", r.seed)) if v is not None})
     if r.ignore_eos:
         feed["ignore_eos"] = True
     return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage))

@@ -251,6 +251,10 @@ def test_the_openai_client_gets_the_same_completions(server, ours, demo_dir):
     assert r.choices[0].text == want[:want.index(cut)] and r.choices[0].finish_reason == "stop"
     with pytest.raises(openai.BadRequestError, match="outside the vocabulary"):
         client.completions.create(model=server.model, prompt=[99999], max_tokens=4)
+    sampled = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0.8,
+                                        seed=3, extra_body={"top_k": 20})
+    assert sampled.choices[0].text == tok.decode(ours.generate(encode(tok, "Create a new"), 12, strategy="top-k",
+                                                               temperature=0.8, top_k=20, seed=3))
     with pytest.raises(openai.BadRequestError, match="n: only 1"):
         client.completions.create(model=server.model, prompt="x", max_tokens=4, n=2)
 
@@ -474,6 +478,9 @@ def test_the_openai_front_refuses_careless_and_hostile_requests_and_goes_on(serv
         ("POST", "/v1/completions", _completion("x", stop=["a"] * 5), None, 400, "stop"),
         ("POST", "/v1/completions", _completion("x", logprobs=3), None, 400, "logprobs"),
         ("POST", "/v1/completions", _completion("x", presence_penalty=0.5), None, 400, "presence_penalty"),
+        ("POST", "/v1/completions", _completion("x", min_p=0.1), None, 400, "min_p"),
+        ("POST", "/v1/completions", _completion("x", top_k=5, top_p=0.5), None, 400, "top_k and top_p"),
+        ("POST", "/v1/completions", _completion("x", top_k=0), None, 400, "top_k"),
         ("POST", "/v1/completions", _completion("x", n=2), None, 400, "n: only 1"),
         ("POST", "/v1/completions", _completion({"a": 1}), None, 400, "prompt"),
         ("POST", "/v1/completions", _completion([]), None, 400, "prompt"),
