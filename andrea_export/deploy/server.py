@@ -108,6 +108,33 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+WORKSPACE_PREFIX = "andrea-serve-"
+OWNER_FILE = "owner.pid"  # the pid of the process that made a workspace
+
+
+def new_workspace() -> Path:
+    """A new temporary folder for one server's model repository, backends and log, marked with our pid; the
+    folders of servers whose process is gone (killed with -9: nothing could remove them) are removed first."""
+    for stale in Path(tempfile.gettempdir()).glob(f"{WORKSPACE_PREFIX}*"):
+        with contextlib.suppress(OSError, ValueError):
+            pid = int((stale / OWNER_FILE).read_text())
+            if pid != os.getpid() and not _alive(pid):
+                shutil.rmtree(stale, ignore_errors=True)
+    workspace = Path(tempfile.mkdtemp(prefix=WORKSPACE_PREFIX))
+    (workspace / OWNER_FILE).write_text(str(os.getpid()))
+    return workspace
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True
+
+
 def _check_free(host: str, port: int, what: str) -> int:
     """`port` on `host`, if nothing listens there (ServeError in one line otherwise, naming what wanted it).
     Port 0 checks the host alone."""
@@ -199,7 +226,7 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
         _check_front_packages()
         _check_free(front.host, front.port, "the OpenAI front")
 
-    workspace = Path(tempfile.mkdtemp(prefix="andrea-serve-"))
+    workspace = new_workspace()
     try:
         model = write_generate_model(build_dir, workspace / "models", slots=slots, prefill_chunk=prefill_chunk,
                                      step_tokens=step_tokens, admit=admit, in_place=True).name
@@ -260,7 +287,7 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
     """Start tritonserver on a model repository (`package --triton` writes one) and wait until `model` is READY.
     The server's backends and log go to `workspace` (a new temporary folder by default), removed by stop().
     `admin_key`: what Triton's restricted APIs ask for (default: a new random one, Server.admin_key)."""
-    workspace = workspace or Path(tempfile.mkdtemp(prefix="andrea-serve-"))
+    workspace = workspace or new_workspace()
     try:
         python = serve_python(env)
         dist = triton_dist(python)

@@ -751,7 +751,7 @@ def test_ports_in_use_and_bad_hosts_are_one_line_and_leave_nothing(demo_build, t
     with pytest.raises(serve_module.ServeError, match="no such address 'no-such-host.invalid'"):
         serve_module.start(demo_build, http_port=0, grpc_port=0, metrics_port=0,
                            front=serve_module.FrontOptions(host="no-such-host.invalid", port=0))
-    assert set(glob.glob(f"{tempfile.gettempdir()}/andrea-serve-*")) == before
+    assert set(glob.glob(f"{tempfile.gettempdir()}/andrea-serve-*")) <= before  # nothing new (stale ones may go)
 
 
 def test_sigterm_drains_every_stream_through_the_front(long_build):
@@ -801,12 +801,52 @@ def test_a_serve_killed_with_sigkill_leaves_no_server_behind(long_build):
             break
     children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
     assert children, "tritonserver was not started by serve"
+    import tempfile
+    from pathlib import Path
+
+    ours = [w for w in Path(tempfile.gettempdir()).glob(f"{serve_module.WORKSPACE_PREFIX}*")
+            if (w / serve_module.OWNER_FILE).is_file() and (w / serve_module.OWNER_FILE).read_text() == str(proc.pid)]
+    assert len(ours) == 1
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     deadline = time.monotonic() + 60
     while any(_alive(c) for c in children) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(_alive(c) for c in children)
+    assert ours[0].is_dir()  # nothing could remove it: the next server's start does
+    fresh = serve_module.new_workspace()
+    try:
+        assert not ours[0].exists() and fresh.is_dir()
+    finally:
+        import shutil
+
+        shutil.rmtree(fresh)
+
+
+def test_ctrl_c_during_start_up_leaves_nothing_and_says_so_in_one_line(long_build):
+    """Ctrl-C at any moment of start-up: exit 130 with one line (0 once it serves: it drains), no traceback,
+    and no workspace left."""
+    import glob
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    _serving_env()
+    before = set(glob.glob(f"{tempfile.gettempdir()}/{serve_module.WORKSPACE_PREFIX}*"))
+    for delay in (0.5, 2.0, 3.5):
+        proc = subprocess.Popen([sys.executable, "-m", "andrea_export", "serve", str(long_build), "--port", "0",
+                                 "--grpc-port", "0", "--metrics-port", "0", "--openai-port", "0"],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        time.sleep(delay)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode in (0, 130) and "Traceback" not in out, out
+        if proc.returncode == 130:
+            assert "interrupted" in out.strip().splitlines()[-1], out
+        left = set(glob.glob(f"{tempfile.gettempdir()}/{serve_module.WORKSPACE_PREFIX}*")) - before
+        assert not left, (delay, left, out[-500:])
 
 
 def _parent(pid: int) -> int | None:
