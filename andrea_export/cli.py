@@ -569,11 +569,12 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
                max_requests=max_requests),
         tuple(allowed_origins), access_log,
         userfiles.read_text(chat_template, 1 << 20, "a chat template", ConfigError) if chat_template else None)
-    for what, where, guarded in (("the OpenAI front", None if no_openai else host, api_key), ("Triton", triton_host, None)):
-        if where is not None and not _loopback(where):
-            warn(f"{what} listens on {where}, beyond this machine"
-                 + ("" if guarded else ": anyone who reaches it is served (no key" +
-                    ("; set --api-key)" if what != "Triton" else "; keep --triton-host on 127.0.0.1)")))
+    if not no_openai and not _loopback(host):
+        warn(f"the OpenAI front listens on {host}, beyond this machine"
+             + ("" if api_key else ": anyone who reaches it is served (no key; set --api-key)"))
+    if not _loopback(triton_host):
+        warn(f"Triton listens on {triton_host}, beyond this machine: anyone who reaches it is served (it asks no key "
+             "of inference; keep --triton-host on 127.0.0.1)")
     if access_log:
         _log_front_requests()
     with step(f"Starting Triton Inference Server on {build_dir} (waiting for the model to be READY)"):

@@ -219,11 +219,11 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     return manifest
 
 
-# What a build takes at its peak, measured with /usr/bin/time -v (benchmarks/README.md): 0.90 GB for andrea-tiny
-# (the libraries), 4.90 GB for ANDREA-120M fp32 (92.3 M parameters): about 43 bytes a parameter beyond the base,
-# the weights held at once by PyTorch, the exported graphs, the verification's runners and the engine builder.
+# A build's peak memory is the libraries plus a multiple of the weights, held at once by PyTorch, the exported
+# graphs, the verification's runners and the engine builder: fitted, with a margin, to the peaks measured in
+# benchmarks/README.md ("A build's peak memory"); tests/test_careless_inputs.py keeps the fit to them.
 BUILD_BASE_BYTES = 1 << 30
-BUILD_BYTES_PER_PARAM = 48  # the measured 43, with a margin
+BUILD_BYTES_PER_PARAM = 48
 
 
 def build_memory(cfg) -> int:

@@ -1,6 +1,6 @@
 """The OpenAI-compatible front of `serve`, on FastAPI and uvicorn as vLLM's and `trtllm-serve`'s are: /v1/models,
-/v1/models/{id} and /v1/completions (streamed as server-sent events), in front of the Triton server's generate
-model, so the official `openai` client, LangChain and load tools talk to it unchanged. It is the one listener
+/v1/models/{id}, /v1/completions and /v1/chat/completions (streamed as server-sent events), and /metrics, in front
+of the Triton server's generate model, so the official `openai` client, LangChain and load tools talk to it unchanged. It is the one listener
 `serve` puts beyond loopback; Triton's own ports stay on 127.0.0.1 (deploy/server.py).
 
 Every limit comes before the work it guards, each refused with an OpenAI-shaped error: connections beyond
@@ -54,22 +54,21 @@ class Limits:
     read_timeout_s: float = 30.0  # to send the whole body; 408 after
     keep_alive_s: int = 5  # an idle connection between requests is closed after
     backlog: int = 2048  # connections the kernel queues before accept (a burst of clients)
-    max_requests: int = 256  # completions in flight at once (decoding or waiting for a slot); 503 beyond
+    max_requests: int = 256  # completions in flight (decoding or waiting for a slot) a new one finds; 503 beyond
 
 
 @dataclasses.dataclass(frozen=True)
 class Model:
     """What the front must know of the served model to check a request before Triton sees it."""
 
-    name: str  # the id clients ask for (--served-model-name), and the Triton model's, if not given apart
-    triton_name: str
+    name: str  # the id clients ask for (--served-model-name)
     n_positions: int
     vocab_size: int
     tokenizer: Any = None  # a tokenizers.Tokenizer, or None: token-id prompts only
     eos_id: int | None = None  # the end-of-text token the generate model stops at (runtime.eos_id)
     chat_template: str | None = None  # Hugging Face's Jinja format: what /v1/chat/completions renders messages with
 
-    @property
+    @functools.cached_property
     def prompt_byte_bound(self) -> int:
         """The most UTF-8 bytes a prompt that fits the context can have: every token covers at most the bytes of
         the longest one, so a longer text cannot fit, and is refused before it is tokenized."""
@@ -253,9 +252,13 @@ async def prompt_ids(c: Completion, model: Model) -> list[int]:
                              f"(at most {bound:,} bytes)", code="context_length_exceeded")
         ids = (await anyio.to_thread.run_sync(model.tokenizer.encode, prompt)).ids
     else:
-        ids = prompt
-        if (bad := next((t for t in ids if not 0 <= t < model.vocab_size), None)) is not None:
-            raise FrontError(f"prompt: token id {bad} is outside the vocabulary [0, {model.vocab_size})")
+        from ..errors import InputError
+        from ..runtime import check_ids
+
+        try:
+            ids = check_ids(prompt, model.vocab_size, "prompt")
+        except InputError as e:
+            raise FrontError(str(e)) from None
     n = c.feed["max_tokens"]
     if n is None:  # a chat without a length: the rest of the context
         n = c.feed["max_tokens"] = max(1, model.n_positions - len(ids))
@@ -525,9 +528,9 @@ async def _answer(request, c: Completion, model: Model, upstream: str, limits: L
 
     metrics = state["metrics"]
     t0 = time.monotonic()
-    ids = await prompt_ids(c, model)
-    if state["in_flight"] >= limits.max_requests:  # no await from here to _metered's count
+    if state["in_flight"] >= limits.max_requests:  # before the prompt is rendered or tokenized
         raise FrontError(f"the server is busy: {limits.max_requests} completions in flight; retry later", 503)
+    ids = await prompt_ids(c, model)
     tokens = _metered(pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id),
                       metrics, t0, len(ids), state)
     try:

@@ -268,8 +268,8 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
             chat_renderer(template)
     except ValueError as e:
         raise ServeError(str(e)) from None
-    model = Model(opts.served_model_name or server.model, server.model, cfg["n_positions"], cfg["vocab_size"],
-                  _tokenizer(build_dir), eos_id(build_dir), template)
+    model = Model(opts.served_model_name or server.model, cfg["n_positions"], cfg["vocab_size"], _tokenizer(build_dir),
+                  eos_id(build_dir), template)
     upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
     try:
         server.front = start_front(model, upstream, opts.host, opts.port, api_key=opts.api_key,
@@ -351,17 +351,9 @@ def _tokenizer(build_dir):
 
 def _chat_template(build_dir) -> str | None:
     """The chat template of the build's tokenizer (tokenizer_config.json's `chat_template`), or None."""
-    from .. import userfiles
-    from ..errors import InputError
-    from ..folder.reader import inside
-    from ..names import TOKENIZER_CONFIG_FILE
-    from ..runtime import tokenizer_path
+    from ..runtime import tokenizer_config
 
-    if tokenizer_path(build_dir) is None or not (Path(build_dir) / TOKENIZER_CONFIG_FILE).exists():
-        return None
-    config = userfiles.read_json(inside(build_dir, TOKENIZER_CONFIG_FILE, "a tokenizer_config.json", InputError,
-                                        flat=True), userfiles.MAX_JSON_BYTES, "a tokenizer_config.json", InputError)
-    template = config.get("chat_template") if isinstance(config, dict) else None
+    template = tokenizer_config(build_dir).get("chat_template")
     return template if isinstance(template, str) and template.strip() else None
 
 

@@ -36,7 +36,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
 ENGINE_FILE = TABLE[Role.DECODER_ENGINE].file  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
-           "eos_id", "load", "next_token", "tokenizer_path"]
+           "eos_id", "load", "next_token", "tokenizer_config", "tokenizer_path"]
 
 
 def tokenizer_path(path: str | Path) -> Path | None:
@@ -63,22 +63,38 @@ def tokenizer_path(path: str | Path) -> Path | None:
     return candidate
 
 
+def tokenizer_config(path: str | Path) -> dict:
+    """The tokenizer_config.json beside the tokenizer a build folder carries ({} without either), held to the
+    tokenizer's rules: the fixed name inside the folder, and in a build folder as its manifest records it."""
+    from .. import userfiles
+    from ..folder.reader import changed_artifacts, inside
+    from ..names import TOKENIZER_CONFIG_FILE
+
+    path = Path(path)
+    if tokenizer_path(path) is None or not (path / TOKENIZER_CONFIG_FILE).exists():
+        return {}
+    file = inside(path, TOKENIZER_CONFIG_FILE, str(path / TOKENIZER_CONFIG_FILE), InputError, flat=True)
+    manifest = _build_manifest(path)
+    if manifest is not None:
+        recorded = manifest["artifacts"].get(Role.TOKENIZER_CONFIG)
+        if recorded is None or recorded["path"] != TOKENIZER_CONFIG_FILE or changed_artifacts(
+                path, {"artifacts": {Role.TOKENIZER_CONFIG: recorded}}):
+            raise InputError(f"{file}: not the one {path / MANIFEST} records (changed after the build); rebuild it")
+    config = userfiles.read_json(file, userfiles.MAX_JSON_BYTES, "a tokenizer_config.json", InputError)
+    if not isinstance(config, dict):
+        raise InputError(f"{file}: not a tokenizer_config.json (a JSON object)")
+    return config
+
+
 def eos_id(path: str | Path) -> int | None:
     """The end-of-text token of the tokenizer a build folder carries (tokenizer_config.json's `eos_token`,
     else EOT), or None: no tokenizer, or none of that name. Read as JSON (nothing of the tokenizers package)."""
     from .. import userfiles
-    from ..names import TOKENIZER_CONFIG_FILE
 
     tok = tokenizer_path(path)
     if tok is None:
         return None
-    from ..folder.reader import inside
-
-    name: object = EOT
-    if (Path(path) / TOKENIZER_CONFIG_FILE).exists():  # no link out of the folder, as for the tokenizer
-        config = userfiles.read_json(inside(path, TOKENIZER_CONFIG_FILE, "a tokenizer_config.json", InputError, flat=True),
-                                     userfiles.MAX_JSON_BYTES, "a tokenizer_config.json", InputError)
-        name = config.get("eos_token", EOT) if isinstance(config, dict) else None
+    name = tokenizer_config(path).get("eos_token", EOT)
     data = userfiles.read_json(tok, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", InputError)
     if not isinstance(name, str) or not isinstance(data, dict):
         return None

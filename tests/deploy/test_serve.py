@@ -280,6 +280,21 @@ def eos_build(demo_dir, tmp_path_factory):
     return d / "build", newline
 
 
+def test_a_tokenizer_config_changed_after_the_build_is_refused(eos_build, tmp_path):
+    """The end of text and the chat template come from the build's tokenizer_config.json: one changed after the
+    build (here, to name another end) is refused, as a changed tokenizer is, instead of silently obeyed."""
+    import shutil
+
+    from andrea_export.errors import InputError
+
+    build = tmp_path / "build"
+    shutil.copytree(eos_build[0], build)
+    config = json.loads((build / "tokenizer_config.json").read_text())
+    (build / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "the"}))
+    with pytest.raises(InputError, match="tokenizer_config.json: not the one .* records"):
+        runtime.load(build, backend="onnxruntime")
+
+
 def test_every_route_stops_at_the_end_of_text_unless_told(eos_build):
     """The runtime, Triton's routes and the front stop at the end-of-text token (counted, its text not printed,
     finish_reason "stop"), and ignore_eos runs on to max_tokens on each."""
@@ -635,7 +650,7 @@ def front(server, demo_build):
     """A second front on the running server's generate model, with a key, another model name and short limits."""
     from andrea_export.deploy.openai_front import Limits, Model, start_front
 
-    model = Model("andrea", server.model, 128, 8449, serve_module._tokenizer(demo_build))
+    model = Model("andrea", 128, 8449, serve_module._tokenizer(demo_build))
     f = start_front(model, f"{server.url()}/v2/models/{server.model}/generate_stream", "127.0.0.1", 0,
                     api_key="sesame", limits=Limits(read_timeout_s=1.0, max_connections=6),
                     allowed_origins=("http://app.example",))

@@ -25,14 +25,18 @@ def session(lively_model, tmp_path_factory):
 
 
 class Collector:
-    """A request's callback: its tokens and its final event, with a flag set when it ends."""
+    """A request's callback: its tokens and its final event, with a flag set when it ends (and one, `reached`,
+    when it has `signal_at` tokens)."""
 
-    def __init__(self):
+    def __init__(self, signal_at: int | None = None):
         self.tokens, self.final, self.done = [], None, threading.Event()
+        self.signal_at, self.reached = signal_at, threading.Event()
 
     def __call__(self, e: Event):
         if e.token is not None:
             self.tokens.append(e.token)
+            if len(self.tokens) == self.signal_at:
+                self.reached.set()
         if e.final:
             self.final = e
             self.done.set()
@@ -84,18 +88,11 @@ def test_a_stop_id_ends_the_request_with_it(session):
 
 def test_cancel_frees_the_slot_at_once(session):
     """One slot: a long request is cancelled after a few tokens; the next request, queued behind it, runs."""
-    first, second = Collector(), Collector()
-    got_three = threading.Event()
-
-    def on_first(e):
-        first(e)
-        if len(first.tokens) == 3:
-            got_three.set()
-
+    first, second = Collector(signal_at=3), Collector()
     with Batcher(session, slots=1) as b:
-        t1 = b.submit(Request([1, 2, 3], 100), on_first)
+        t1 = b.submit(Request([1, 2, 3], 100), first)
         t2 = b.submit(Request([4, 5], 5), second)
-        assert got_three.wait(30)
+        assert first.reached.wait(30)
         t1.cancel()
         assert first.done.wait(30) and second.done.wait(30)
     assert first.final.reason == "cancelled" and 3 <= len(first.tokens) < 100
@@ -271,18 +268,11 @@ def test_a_cancelled_request_leaves_its_slot_at_the_next_step(session):
     """Cancelled mid-decode, a request's slot is free when its final event comes (the batcher's own state says
     so), and every step after it decodes the other request alone: it does not ride along, silently, to its
     max_new_tokens."""
-    a, other = Collector(), Collector()
-    three = threading.Event()
-
-    def on_a(e):
-        a(e)
-        if len(a.tokens) == 3:
-            three.set()
-
+    a, other = Collector(signal_at=3), Collector()
     with Batcher(session, slots=2) as b:
-        ta = b.submit(Request([1, 2, 3], 100), on_a)
+        ta = b.submit(Request([1, 2, 3], 100), a)
         b.submit(Request([4, 5], 60), other)
-        assert three.wait(30)
+        assert a.reached.wait(30)
         ta.cancel()
         assert a.done.wait(30) and a.final.reason == "cancelled"
         assert b.slots[0] is None  # the first request took the lowest slot
