@@ -351,9 +351,9 @@ def _tokenizer(build_dir):
 
 def _chat_template(build_dir) -> str | None:
     """The chat template of the build's tokenizer (tokenizer_config.json's `chat_template`), or None."""
-    from ..runtime import tokenizer_config
+    from ..runtime import read_tokenizer_config
 
-    template = tokenizer_config(build_dir).get("chat_template")
+    template = read_tokenizer_config(build_dir).get("chat_template")
     return template if isinstance(template, str) and template.strip() else None
 
 

@@ -36,7 +36,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
 ENGINE_FILE = TABLE[Role.DECODER_ENGINE].file  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
-           "eos_id", "load", "next_token", "tokenizer_config", "tokenizer_path"]
+           "eos_id", "load", "next_token", "read_tokenizer_config", "tokenizer_path"]
 
 
 def tokenizer_path(path: str | Path) -> Path | None:
@@ -63,7 +63,7 @@ def tokenizer_path(path: str | Path) -> Path | None:
     return candidate
 
 
-def tokenizer_config(path: str | Path) -> dict:
+def read_tokenizer_config(path: str | Path) -> dict:
     """The tokenizer_config.json beside the tokenizer a build folder carries ({} without either), held to the
     tokenizer's rules: the fixed name inside the folder, and in a build folder as its manifest records it."""
     from .. import userfiles
@@ -94,7 +94,7 @@ def eos_id(path: str | Path) -> int | None:
     tok = tokenizer_path(path)
     if tok is None:
         return None
-    name = tokenizer_config(path).get("eos_token", EOT)
+    name = read_tokenizer_config(path).get("eos_token", EOT)
     data = userfiles.read_json(tok, userfiles.MAX_TOKENIZER_BYTES, "a tokenizer.json", InputError)
     if not isinstance(name, str) or not isinstance(data, dict):
         return None
