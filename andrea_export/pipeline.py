@@ -321,9 +321,9 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     from .verify.folder import verify_folder
 
     made = Artifacts(tmp, opts.precision)
-    plugin_report = _export_graphs(made, model, opts, builder)
+    plugin_report, head_bits = _export_graphs(made, model, opts, builder)
     if opts.decoder:
-        _export_decoders(made, model, opts, builder)
+        _export_decoders(made, model, opts, builder, head_bits)
     _share_weights(made)
     _copy_text_files(made, opts, model.cfg)
     result = _build_engine(made, Role.ENGINE, opts, builder, profiles, timing_cache)
@@ -372,11 +372,12 @@ def engine_sources(artifacts, builder: str, precision: str) -> dict[str, str]:
 
 def _export_graphs(made: Artifacts, model, opts, builder: str):
     """The standard graph (and its fp32 source, and the Q/DQ form of a weight-only build) and the plugin graph
-    made from the engine's graph. Returns the plugin report."""
+    made from the engine's graph. Returns the plugin report and an int4 build's head width (None otherwise),
+    which its other graphs take too."""
     from .graphs.export import export_onnx
     from .graphs.gelu_plugin import apply_gelu_plugin
     from .graphs.precision import convert_precision
-    from .graphs.quantize import write_qdq
+    from .graphs.quantize import choose_head_bits, write_qdq
     from .names import WEIGHT_ONLY
 
     p = opts.precision
@@ -384,23 +385,28 @@ def _export_graphs(made: Artifacts, model, opts, builder: str):
             else f"graph to {p} (LayerNorm and softmax stay float32)")
     fp32 = _name(made, Role.ONNX_FP32 if p != "fp32" else Role.ONNX)
     export_onnx(model, fp32)
+    head_bits = None
+    if p == "int4":
+        with step("Measuring where int4's error sits (the tied head alone, and all of it, on random ids)"):
+            head_bits, share = choose_head_bits(fp32)
+        console.print(f"  the tied head alone makes {share:.0%} of int4's error: it is quantized at {head_bits} bits")
     if p != "fp32":
         made.add(Role.ONNX_FP32, fp32)
         with step(f"Converting the {what}"):
-            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p))
+            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p, head_bits))
     else:
         made.add(Role.ONNX, fp32)
     if p in WEIGHT_ONLY:  # TensorRT imports no MatMulNBits: its graphs quantize the fp32 weights as DequantizeLinear
-        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p))
+        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p, head_bits))
     with step("Handing every tanh-GELU to the plugin (graph pass)"):
         plugin_report = apply_gelu_plugin(made.path(plugin_source(Role.ONNX_PLUGIN, p)), _name(made, Role.ONNX_PLUGIN),
                                           fuse_bias=opts.fuse_bias)
     made.add(Role.ONNX_PLUGIN, _name(made, Role.ONNX_PLUGIN))
     console.print(f"  {plugin_report.summary()}")
-    return plugin_report
+    return plugin_report, head_bits
 
 
-def _export_decoders(made: Artifacts, model, opts, builder: str) -> None:
+def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int | None = None) -> None:
     """The KV-cache decoder in the build's precision (and its fp32 source), the in-place decoder ONNX Runtime and
     onnxruntime-genai run, genai's config, and the decoder engine's Q/DQ and plugin graphs."""
     from .deploy.genai import write_genai_config
@@ -416,14 +422,14 @@ def _export_decoders(made: Artifacts, model, opts, builder: str) -> None:
                                    quiet=True)
     if p != "fp32":
         made.add(Role.DECODER_ONNX_FP32, fp32)
-        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p))
+        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p, head_bits))
     else:
         made.add(Role.DECODER_ONNX, fp32)
     if p != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
-        _export_inplace_decoder(made, model)
+        _export_inplace_decoder(made, model, head_bits)
     made.add(Role.GENAI_CONFIG, write_genai_config(made.path(decoder_graph("onnxruntime", made))))
     if p in WEIGHT_ONLY:
-        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p))
+        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, head_bits))
     if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
         apply_gelu_plugin(made.path(plugin_source(Role.DECODER_ONNX_PLUGIN, p)), _name(made, Role.DECODER_ONNX_PLUGIN),
                           fuse_bias=opts.fuse_bias)
@@ -435,7 +441,7 @@ def _name(made: Artifacts, role: Role) -> Path:
     return made.folder / TABLE[role].file_name(made.precision)
 
 
-def _export_inplace_decoder(made: Artifacts, model) -> None:
+def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None) -> None:
     """The in-place decoder (graphs/inplace_decoder.py) in the build's precision. Its float32 source is not kept
     (the standard decoder's is, for the engines)."""
     from .graphs.inplace_decoder import export_inplace_decoder
@@ -445,7 +451,7 @@ def _export_inplace_decoder(made: Artifacts, model) -> None:
         fp32 = _name(made, Role.DECODER_ONNX_INPLACE).with_name(TABLE[Role.DECODER_ONNX_INPLACE].file_name("fp32"))
         graph = export_inplace_decoder(model, fp32, quiet=True)
         if made.precision != "fp32":
-            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision)
+            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision, head_bits)
             fp32.unlink()
     made.add(Role.DECODER_ONNX_INPLACE, graph)
 

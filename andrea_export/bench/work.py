@@ -43,9 +43,9 @@ def forward_flops(cfg: ModelConfig, batch: int, new: int, past: int = 0) -> int:
 
 
 def quantized_matmul_bytes(cfg: ModelConfig, precision: str) -> int:
-    """Bytes of the matmul weights of the weight-only graph ORT runs (graphs/quantize.py: MatMulNBits,
-    symmetric, no zero points): the packed integers plus one float32 scale per block along K, each
-    MatMul at its own block (quantize.block_for: K = n_embd or 4 n_embd; the head's block)."""
+    """Bytes of the matmul weights of the weight-only graph ORT runs (graphs/quantize.py: MatMulNBits): the
+    packed integers plus one float32 scale per block along K (and int4's 4-bit zero point per block), each
+    MatMul at its own block (quantize.block_for: K = n_embd or 4 n_embd; the head's block, at int4's 4 bits)."""
     from ..graphs.quantize import QUANT, block_for
 
     C, bits = cfg.n_embd, QUANT[precision]["bits"]
@@ -53,7 +53,7 @@ def quantized_matmul_bytes(cfg: ModelConfig, precision: str) -> int:
     def per_weight(k: int, head: bool = False) -> float:
         block = block_for(k, precision, head=head)
         assert block is not None, "quantize.check_model_shape refuses a width no block divides"
-        return bits / 8 + 4 / block
+        return bits / 8 + 4 / block + (bits / 8 / block if QUANT[precision]["zero_points"] else 0)
 
     body = cfg.n_layer * (8 * C * C * per_weight(C) + 4 * C * C * per_weight(4 * C))  # qkv, proj, fc; fc2
     return int(body + cfg.vocab_size * C * per_weight(C, head=True))

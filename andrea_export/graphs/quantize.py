@@ -1,27 +1,30 @@
-"""Weight-only int8 / int4 graphs for ONNX Runtime, made by ONNX Runtime's own quantizer.
+"""Weight-only int8 / int4 graphs for ONNX Runtime: MatMulNBits nodes (ONNX Runtime's contrib op).
 
 `quantize_weights` turns an fp32 export (the standard graph or the KV-cache decoder) into one whose
-weight MatMuls are `com.microsoft.MatMulNBits` nodes, as ONNX Runtime's
-`matmul_nbits_quantizer.MatMulNBitsQuantizer` writes them (round to nearest, symmetric, block-wise
-along K, one float32 scale per block; weight-only: the graph's activations stay float32):
+weight MatMuls are `com.microsoft.MatMulNBits` nodes (weight-only: the graph's activations stay float32):
 
-- int8: 8-bit, int4: 4-bit, in blocks of 128 along K (QUANT), the default of ORT's quantizer and of NNCF,
-  and the usual GPTQ / AWQ group; int4's output projection (the tied head) in blocks of 32. A MatMul whose
-  K the block does not divide takes the largest power of two that does (`block_for`; ORT's kernels need
-  >= 16): a block past K would be padded with zeros that every step reads (andrea-tiny's K = 64 MatMuls
-  get blocks of 64). ORT's MatMulNBits has no separate per-channel mode.
+- int8: ONNX Runtime's own quantizer (`matmul_nbits_quantizer.MatMulNBitsQuantizer`: round to nearest,
+  symmetric, one float32 scale per block of 128 along K).
+- int4: 4-bit, asymmetric, in blocks of 64 along K, each block's scale and zero point searched for the least
+  squared error (quantize_asymmetric), packed here as the op defines them (pack_nbits); the tied head in
+  blocks of 32, or at 8 bits where it alone makes most of int4's error (choose_head_bits, measured on the
+  model's own weights at build time). A MatMul whose K the block does not divide takes the largest power of
+  two that does (`block_for`; ORT's kernels need >= 16): a block past K would be padded with zeros that every
+  step reads (andrea-tiny's K = 64 MatMuls get blocks of 64).
 
-Why 128 (int4 decode 15-16 % faster than at 32 in the sweep below; 16-19 % in one with ORT's threads not
-spin-waiting): the kernel pays per block (its scale, the int32 -> float conversion), and a step reads one float32
-scale per block (int4 at 32: 0.125 bytes per weight beside the 0.5 of the weights). Measured on ANDREA-120M's
-in-place decoder, 2 threads, AMD EPYC (AVX-512 VNNI), decode 1x127 / 8x128, interleaved rounds (ms):
-int4 blocks of 32: 2.75 / 7.09, 64: 2.54 / 6.66, 128: 2.30 / 6.03, 256: 2.20 / 5.43; int8 64: 3.64 / 7.06,
-128: 3.32 / 6.64, 256: 3.48 / 6.37 (fp32: 9.70 / 14.22). On the trained andrea-tiny (61 held-out windows of
-128, against fp32): int4 at 32 everywhere: perplexity +0.63 %, mean KL 5.0e-3, top-1 90.5 %; at 128 (64
-where K = 64) everywhere: +0.58 %, 6.7e-3, 86.0 %; the same with the head at 32 (kept): +0.83 %, 5.6e-3,
-91.0 %, for 1-2 % of the step. int8: +0.050 % at 64 and +0.047 % at 128, top-1 98.9 % both. 256 was left
-out: past the field's usual groups, and int8's batch-1 step was slower there. (The engines' Q/DQ graphs
-keep their own layout: `write_qdq`.)
+Why this int4 (measured against llama.cpp's Q4_0 on the same ANDREA-120M seeded weights, 64 random
+32-token prompts, 2 threads, AMD EPYC Zen 4; benchmarks/README.md has the table): ONNX Runtime's symmetric
+round to nearest in blocks of 128 read 49.7 MB a step and kept top-1 30/64 (KL 0.0126); llama.cpp's Q4_0
+(blocks of 32, float16 scales, the tied head at 6 bits) reads 53.6 MB and keeps 44/64 (0.0081). These
+weights are Gaussian and the inputs random, so no calibrated quantizer gains (ONNX Runtime's GPTQ: KL 0.0120
+instead of 0.0122, in 6 minutes); what pays is the grid: asymmetric blocks of 64 with searched ranges have
+0.0076 relative squared weight error (Q4_0 0.0074, symmetric 128 0.0106), at 53.1 MB a step: top-1 40/64,
+KL 0.0094, decode 1.07-1.13x llama.cpp's at batch 1. HQQ (float zero points, 58 MB) and k-quant's weighted
+search (KL 0.0099) did no better. On the trained andrea-tiny the head is where the error sits (73 % of it):
+at 8 bits its held-out perplexity moves +0.07 % instead of +0.92 %.
+
+With ONNX Runtime's symmetric int4, blocks of 128 decoded 15-16 % faster than 32
+on the in-place decoder; the block costs a float32 scale each (int4 at 32: 0.125 bytes per weight beside 0.5).
 
 Every MatMulNBits has `accuracy_level` 4: ONNX Runtime's CPU kernel then quantizes each activation block
 to int8 on the fly and multiplies int8 x int8 (VNNI / AVX2), instead of dequantizing every weight to
@@ -70,24 +73,40 @@ from ..names import PRECISION_KEY
 # precision -> MatMulNBits bits and largest block along K, for the output projection (head) and the others (a
 # node whose K it does not divide takes the largest power of two that does, down to MIN_BLOCK: ORT's kernels take
 # powers of 2 >= 16). Why 128 and int4's head 32: see the module's docstring.
-QUANT = {"int8": dict(bits=8, block_size=128, head_block_size=128, accuracy_level=4),
-         "int4": dict(bits=4, block_size=128, head_block_size=32, accuracy_level=4)}
+QUANT = {"int8": dict(bits=8, block_size=128, head_block_size=128, accuracy_level=4, zero_points=False),
+         "int4": dict(bits=4, block_size=64, head_block_size=32, accuracy_level=4, zero_points=True)}
 MIN_BLOCK = 16
+HEAD_SHARE = 0.5  # an int4 head goes to 8 bits when it alone makes this share of int4's error (choose_head_bits)
 # precision -> the engines' Q/DQ layout (to_qdq): int8 per output column, int4 in blocks of 32 along K
 ENGINE_QUANT: dict[str, dict[str, Any]] = {"int8": dict(bits=8, block_size=None), "int4": dict(bits=4, block_size=32)}
+# int4 (MatMulNBits) range candidates, as fractions of a block's range about its centre (quantize_asymmetric)
+SHRINK = tuple(np.linspace(0.7, 1.0, 16).tolist())
 # int4 scale candidates, as multiples of a block's largest magnitude (quantize_symmetric); 1/7 among them
 SCALE_SEARCH = tuple(sorted({*np.linspace(1 / 8, 1 / 6, 17).tolist(), 1 / 7}))
 TIED_HEAD = "lm_head.weight.T"  # the folded transpose of the tied embedding (quantized copy)
 
 
-def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str) -> Path:
-    """Write `onnx_out`: the fp32 graph `onnx_in` with its weight MatMuls as MatMulNBits of `precision`.
+def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str, head_bits: int | None = None) -> Path:
+    """Write `onnx_out`: the fp32 graph `onnx_in` with its weight MatMuls as MatMulNBits of `precision`;
+    `head_bits`: the tied head's width in an int4 graph (4 or 8, what choose_head_bits measured; None: 4).
 
     Metadata (config, KV layout, weights source) is carried over; `andrea.precision` is set. Weights go
     to `<onnx_out>.data` when the input kept them externally. Written atomically."""
+    onnx_in, onnx_out = Path(onnx_in), Path(onnx_out)
+    model, meta, external = _fp32_model(onnx_in, precision)
+    out = quantized(model, precision, head_bits, what=onnx_in.name)
+    del out.metadata_props[:]
+    for k, v in meta.items():
+        out.metadata_props.add(key=k, value=v)
+    out.metadata_props.add(key=PRECISION_KEY, value=precision)
+    return _save_checked(out, onnx_out, external, f"{precision} graph of {onnx_in.name}")
+
+
+def _fp32_model(onnx_in: Path, precision: str) -> tuple[onnx.ModelProto, dict[str, str], bool]:
+    """(the fp32 graph with its weights, its metadata, whether it kept them externally), refused when it is not
+    an fp32 graph or `precision` not a weight-only one."""
     if precision not in QUANT:
         raise ConfigError(f"weight-only precision must be one of {', '.join(QUANT)}, got {precision!r}")
-    onnx_in, onnx_out = Path(onnx_in), Path(onnx_out)
     if not onnx_in.is_file():
         raise ExportError(f"{onnx_in}: no such ONNX file")
     external = any(t.data_location == TensorProto.EXTERNAL
@@ -96,19 +115,84 @@ def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str) 
     meta = {p.key: p.value for p in model.metadata_props}
     if meta.get(PRECISION_KEY, "fp32") != "fp32":
         raise ExportError(f"{onnx_in}: is already a {meta[PRECISION_KEY]} graph; quantize the fp32 export")
+    return model, meta, external
+
+
+def quantized(model: onnx.ModelProto, precision: str, head_bits: int | None = None, *, body: bool = True,
+              what: str = "the graph") -> onnx.ModelProto:
+    """The loaded fp32 `model`, changed in place: its weight MatMuls (the tied head's folded copy too) as
+    MatMulNBits of `precision`, each in its block (block_for). `head_bits` 8 puts an int4 graph's head at 8 bits
+    (in int8's blocks); `body` False quantizes the head alone (choose_head_bits measures it so)."""
     _fold_tied_head(model)
     inits = {t.name: t for t in model.graph.initializer}
-    blocks: dict[int, list[str]] = {}  # block -> the MatMuls quantized in it
+    plan: dict[str, tuple[int, int]] = {}  # node -> (bits, block)
     for i, node in enumerate(model.graph.node):
         w = inits.get(node.input[1]) if node.op_type == "MatMul" else None
-        if w is None:
+        head = w is not None and node.input[1] == TIED_HEAD
+        if w is None or not (body or head):
             continue
-        block = block_for(w.dims[0], precision, head=node.input[1] == TIED_HEAD)
+        bits = head_bits if head and head_bits else QUANT[precision]["bits"]
+        block = block_for(w.dims[0], "int8" if bits == 8 else precision, head=head)
         if block is None:
-            raise ConfigError(f"{onnx_in.name}: MatMul '{node.name}' has K = {w.dims[0]}, not a multiple of "
+            raise ConfigError(f"{what}: MatMul '{node.name}' has K = {w.dims[0]}, not a multiple of "
                               f"{MIN_BLOCK}, the smallest {precision} block")
         node.name = node.name or f"matmul_{i}"  # the quantizer tells nodes apart by name
-        blocks.setdefault(block, []).append(node.name)
+        plan[node.name] = (bits, block)
+    if not plan:
+        raise ExportError(f"{what}: no MatMul with a constant weight to quantize")
+    if QUANT[precision]["zero_points"]:
+        return _with_matmulnbits(model, plan, QUANT[precision]["accuracy_level"])
+    blocks: dict[int, list[str]] = {}
+    for name, (_, block) in plan.items():
+        blocks.setdefault(block, []).append(name)
+    return _ort_quantized(model, blocks, precision)
+
+
+def choose_head_bits(onnx_fp32: str | Path, share: float = HEAD_SHARE) -> tuple[int, float]:
+    """(the int4 build's tied-head width, the share of int4's error its head makes), by measurement on the
+    model's own weights: on seeded random ids, the KL divergence from fp32 of the graph with its head alone at
+    int4 and of the whole int4 graph. 8 bits when the head alone makes at least `share` of the whole's (it is
+    then where the error sits: the trained andrea-tiny's head makes 74 %), else 4 (ANDREA-120M's seeded
+    weights: 10 %; the head is 7 % of the weights it reads per step)."""
+    import tempfile
+
+    import onnxruntime as ort
+
+    from ..names import INPUT_IDS
+    from .layout import config_of
+
+    onnx_fp32 = Path(onnx_fp32)
+    cfg = config_of(_fp32_model(onnx_fp32, "int4")[1], onnx_fp32)
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, min(64, cfg.n_positions)), dtype=np.int64)
+
+    def logits(path: str | Path) -> np.ndarray:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"]).run(None, {INPUT_IDS: ids})[0]
+
+    def int4_logits(body: bool) -> np.ndarray:  # through a file: a model over 2 GB serializes no other way
+        with tempfile.TemporaryDirectory(prefix="andrea-head-") as tmp:
+            m = quantized(onnx.load(str(onnx_fp32)), "int4", body=body, what=onnx_fp32.name)
+            onnx.save(m, f"{tmp}/m.onnx", save_as_external_data=True, location="m.onnx.data")
+            return logits(f"{tmp}/m.onnx")
+
+    ref = logits(onnx_fp32)
+    head, whole = _kl(ref, int4_logits(body=False)), _kl(ref, int4_logits(body=True))
+    ratio = head / whole if whole > 0 else 0.0
+    return (8 if ratio >= share else 4), ratio
+
+
+def _kl(ref: np.ndarray, got: np.ndarray) -> float:
+    """Mean KL(ref || got) of the next-token distributions of two logits arrays [..., vocab]."""
+    a = ref - ref.max(-1, keepdims=True)
+    b = got - got.max(-1, keepdims=True)
+    la, lb = a - np.log(np.exp(a).sum(-1, keepdims=True)), b - np.log(np.exp(b).sum(-1, keepdims=True))
+    return float((np.exp(la) * (la - lb)).sum(-1).mean())
+
+
+def _ort_quantized(model: onnx.ModelProto, blocks: dict[int, list[str]], precision: str) -> onnx.ModelProto:
+    """`model` with the MatMuls `blocks` names (block -> node names) as ONNX Runtime's quantizer writes them:
+    symmetric round to nearest, one pass per block size (the others' MatMuls left for theirs)."""
     import logging
 
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -116,7 +200,7 @@ def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str) 
     log = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
     level, log.level = log.level, logging.WARNING  # it logs every node at INFO
     try:
-        for block, names in blocks.items():  # one pass per block size, the others' MatMuls left for theirs
+        for block, names in blocks.items():
             others = [n for b, ns in blocks.items() if b != block for n in ns]
             q = MatMulNBitsQuantizer(model, bits=QUANT[precision]["bits"], block_size=block, is_symmetric=True,
                                      accuracy_level=QUANT[precision]["accuracy_level"], nodes_to_exclude=others,
@@ -125,24 +209,98 @@ def quantize_weights(onnx_in: str | Path, onnx_out: str | Path, precision: str) 
             model = q.model.model
     finally:
         log.setLevel(level)
-    out = model
-    n = sum(1 for node in out.graph.node if node.op_type == "MatMulNBits")
-    if n == 0:
-        raise ExportError(f"{onnx_in.name}: no MatMul with a constant weight to quantize")
-    del out.metadata_props[:]
-    for k, v in meta.items():
-        out.metadata_props.add(key=k, value=v)
-    out.metadata_props.add(key=PRECISION_KEY, value=precision)
-    return _save_checked(out, onnx_out, external, f"{precision} graph of {onnx_in.name}")
+    return model
 
 
-def write_qdq(onnx_fp32: str | Path, onnx_out: str | Path, precision: str) -> Path:
+def _with_matmulnbits(model: onnx.ModelProto, plan: dict[str, tuple[int, int]], level: int) -> onnx.ModelProto:
+    """`model` with each MatMul that `plan` names (node name -> bits, block) as a MatMulNBits with zero points,
+    its weight quantized by quantize_asymmetric and packed as ONNX Runtime's contrib op defines it: B uint8
+    [N, K / block, block * bits / 8] (two 4-bit values a byte, the first in the low nibble), scales [N * K /
+    block], zero points packed the same way along each column's blocks. The float weight is dropped unless
+    another node reads it (the embedding table, which the tied head's folded copy came from)."""
+    from onnx import helper
+
+    g = model.graph
+    inits = {t.name: t for t in g.initializer}
+    nodes, used = [], set()
+    for n in g.node:
+        if n.name not in plan or n.op_type != "MatMul":
+            nodes.append(n)
+            continue
+        w, (bits, block) = inits[n.input[1]], plan[n.name]
+        K, N = w.dims
+        q, scale, zp = quantize_asymmetric(numpy_helper.to_array(w).astype(np.float32), bits, block)
+        packed, zeros = pack_nbits(q, zp, bits, block)
+        names = [f"{w.name}_Q{bits}", f"{w.name}_scales", f"{w.name}_zp"]
+        g.initializer.extend([numpy_helper.from_array(packed, names[0]),
+                              numpy_helper.from_array(np.ascontiguousarray(scale.T).reshape(-1), names[1]),
+                              numpy_helper.from_array(zeros, names[2])])
+        used.add(w.name)
+        nodes.append(helper.make_node("MatMulNBits", [n.input[0], *names], list(n.output), name=n.name,
+                                      domain="com.microsoft", K=K, N=N, bits=bits, block_size=block,
+                                      accuracy_level=level))
+    readers = {i for n in nodes for i in n.input}
+    del g.node[:]
+    g.node.extend(nodes)
+    keep = [t for t in g.initializer if t.name not in used or t.name in readers]
+    del g.initializer[:]
+    g.initializer.extend(keep)
+    if not any(op.domain == "com.microsoft" for op in model.opset_import):
+        model.opset_import.add(domain="com.microsoft", version=1)
+    return model
+
+
+def quantize_asymmetric(w: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block-wise asymmetric quantization of a [K, N] weight along K: integers q [K, N] in [0, 2^bits - 1],
+    float32 scales [K / block, N] and integer zero points [K / block, N], w ~ (q - zero point) * scale.
+
+    Each block's range (widened to hold 0, so that 0 is exact) is shrunk about its centre by the factor of
+    SHRINK with the least squared error of the block: round to nearest on the block's own grid, the extremes
+    clipped where that pays. On ANDREA-120M's Gaussian weights, blocks of 64: relative squared error 0.0076
+    (min-max alone 0.0083; llama.cpp's Q4_0, symmetric in blocks of 32 with float16 scales, 0.0074;
+    ONNX Runtime's symmetric blocks of 128 0.0106)."""
+    qmax = 2**bits - 1
+    K, N = w.shape
+    groups = w.reshape(K // block, block, N).astype(np.float32)
+    lo, hi = np.minimum(groups.min(axis=1, keepdims=True), 0), np.maximum(groups.max(axis=1, keepdims=True), 0)
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    best_err = np.full(lo.shape, np.inf, np.float32)
+    scale, zp = np.ones_like(lo), np.zeros_like(lo)
+    for f in SHRINK:
+        s = np.where(half > 0, 2 * half * f / qmax, 1.0).astype(np.float32)
+        z = np.clip(np.rint((half * f - mid) / s), 0, qmax)
+        err = (((np.clip(np.rint(groups / s) + z, 0, qmax) - z) * s - groups) ** 2).sum(axis=1, keepdims=True)
+        better = err < best_err
+        best_err, scale, zp = np.where(better, err, best_err), np.where(better, s, scale), np.where(better, z, zp)
+    q = np.clip(np.rint(groups / scale) + zp, 0, qmax).reshape(K, N).astype(np.uint8)
+    return q, scale[:, 0, :], zp[:, 0, :].astype(np.uint8)
+
+
+def pack_nbits(q: np.ndarray, zp: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """(B [N, K / block, block * bits / 8], zero points [N * ceil(K / block * bits / 8)]) as MatMulNBits reads
+    them, from quantize_asymmetric's q [K, N] and zero points [K / block, N]: column by column, 4-bit values
+    two a byte with the first in the low nibble (a column's odd block count padded with a zero nibble)."""
+    K, N = q.shape
+    cols, zcols = q.T.reshape(N, K // block, block), np.ascontiguousarray(zp.T)
+    if bits == 8:
+        return np.ascontiguousarray(cols), zcols.reshape(-1)
+    if bits != 4:
+        raise ValueError(f"MatMulNBits packing for 4 or 8 bits, not {bits}")
+    if zcols.shape[1] % 2:
+        zcols = np.concatenate([zcols, np.zeros((N, 1), np.uint8)], axis=1)
+    return (cols[..., 0::2] | (cols[..., 1::2] << 4)).astype(np.uint8), \
+        (zcols[:, 0::2] | (zcols[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
+
+
+def write_qdq(onnx_fp32: str | Path, onnx_out: str | Path, precision: str, head_bits: int | None = None) -> Path:
     """Write `onnx_out`: the fp32 graph `onnx_fp32` with its weight MatMuls as TensorRT's Q/DQ of `precision`
-    (to_qdq), for the engines. Metadata is carried over, `andrea.precision` set; written atomically."""
+    (to_qdq; `head_bits` 8: an int4 graph's head in int8's form), for the engines. Metadata is carried over,
+    `andrea.precision` set; written atomically."""
     onnx_fp32, onnx_out = Path(onnx_fp32), Path(onnx_out)
     external = any(t.data_location == TensorProto.EXTERNAL
                    for t in onnx.load(str(onnx_fp32), load_external_data=False).graph.initializer)
-    return _save_checked(to_qdq(onnx.load(str(onnx_fp32)), precision), onnx_out, external, f"Q/DQ graph of {onnx_fp32.name}")
+    return _save_checked(to_qdq(onnx.load(str(onnx_fp32)), precision, head_bits), onnx_out, external,
+                         f"Q/DQ graph of {onnx_fp32.name}")
 
 
 def _save_checked(model: onnx.ModelProto, onnx_out: Path, external: bool, what: str) -> Path:
@@ -250,17 +408,17 @@ def quantize_symmetric(w: np.ndarray, bits: int, block: int | None) -> tuple[np.
     return q, (scale if block else scale[0])
 
 
-def to_qdq(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
+def to_qdq(model: onnx.ModelProto, precision: str, head_bits: int | None = None) -> onnx.ModelProto:
     """The fp32 graph `model` with every weight MatMul (the folded tied head too) as DequantizeLinear ->
     MatMul in the form full TensorRT imports (ENGINE_QUANT; engine/onnx_rules.py holds its rules): int8
     per output column (axis 1, no block: TensorRT block-quantizes INT4 only), int4 in blocks of 32 along K
     (axis 0), scales strictly positive, no zero point. TensorRT-RTX builds the same graph. Opset 21
-    (int4). The embedding Gather stays float32, as in quantize_weights."""
+    (int4). The embedding Gather stays float32, as in quantize_weights. `head_bits` 8: an int4 graph's tied head
+    in int8's form (quantize_weights' head at 8 bits, choose_head_bits)."""
     import ml_dtypes
 
     if precision not in ENGINE_QUANT:
         raise ConfigError(f"weight-only precision must be one of {', '.join(ENGINE_QUANT)}, got {precision!r}")
-    bits, block = ENGINE_QUANT[precision]["bits"], ENGINE_QUANT[precision]["block_size"]
     out = onnx.ModelProto()
     out.CopyFrom(model)
     meta = {p.key: p.value for p in out.metadata_props}
@@ -275,6 +433,8 @@ def to_qdq(model: onnx.ModelProto, precision: str) -> onnx.ModelProto:
         if w is None or len(w.dims) != 2:
             nodes.append(n)
             continue
+        form = "int8" if head_bits == 8 and n.input[1] == TIED_HEAD else precision
+        bits, block = ENGINE_QUANT[form]["bits"], ENGINE_QUANT[form]["block_size"]
         if block and w.dims[0] % block:
             raise ConfigError(f"MatMul '{n.name}' has K = {w.dims[0]}, not a multiple of the {precision} block of {block}")
         q, scale = quantize_symmetric(numpy_helper.to_array(w).astype(np.float32), bits, block)
