@@ -19,7 +19,7 @@ $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(FIND_LINKS) "torch==2.13.0"
-	$(BIN)/pip install -q $(FIND_LINKS) -e ".[rtx,triton,serve,genai,hf,peers,dev]"
+	$(BIN)/pip install -q $(FIND_LINKS) -e ".[rtx,triton,serve,genai,hf,peers,gguf,dev]"
 	touch $@
 
 setup: $(BIN)/.installed

@@ -13,6 +13,7 @@ import click
 
 from . import __version__
 from .errors import AndreaExportError, ConfigError
+from .deploy.gguf import GGUF_TYPES
 from .names import MAX_SEED
 from .pipeline import MAX_WORKSPACE_MB
 
@@ -331,8 +332,17 @@ def inspect(path, as_json):
 
 @main.command()
 @click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
-@click.option("--triton", "repo", type=click.Path(file_okay=False, path_type=Path), required=True,
+@click.option("--triton", "repo", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="The Triton model repository to write into (created if missing; other models are left alone).")
+@click.option("--gguf", "gguf_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also (or only) write a GGUF file of the build that llama.cpp loads as it is (llama-cli, "
+                   "llama-server, Ollama, LM Studio): architecture gpt2, the build's tokenizer, its float32 weights "
+                   "in --gguf-type. Needs the 'gguf' extra.")
+@click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)),
+              default="f16", show_default=True,
+              help="The GGUF's tensor type: float (f32 gives this build's tokens in llama.cpp), or one of ggml's block "
+                   "formats, quantized from the float32 weights (vectors stay f32; at 4 and 5 bits the token "
+                   "embedding, which is also the output, is q8_0).")
 @click.option("--name", default=None, help="Model name (= folder name). Default: <model>-<precision>-trt|onnx.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
               help="tensorrt: serve the engine; onnxruntime: serve the standard ONNX; auto: the engine when it is a "
@@ -359,16 +369,34 @@ def inspect(path, as_json):
                    "in their configs; a TensorRT plan is refused when that release ships another TensorRT than the one "
                    "that built it (a release whose TensorRT is not known here is recorded as not checked).")
 @_user_errors
-def package(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances, kind,
-            overwrite, allow_failed, copy_files, generate, generate_only, triton_release):
-    """Package a build folder for Triton Inference Server: REPO/NAME/config.pbtxt + REPO/NAME/1/model.plan|onnx.
+def package(build_dir, repo, gguf_out, gguf_type, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching,
+            instances, kind, overwrite, allow_failed, copy_files, generate, generate_only, triton_release):
+    """Package a build folder for Triton Inference Server (--triton REPO: REPO/NAME/config.pbtxt +
+    REPO/NAME/1/model.plan|onnx) and/or llama.cpp (--gguf OUT.gguf).
 
     The config is written from Triton's own ModelConfig message (needs the 'triton' extra). The engine's
     tanh-GELU plugin is embedded in the plan: Triton needs no plugin library. A build with the KV-cache
     decoder also gets NAME-decoder-...: a stateful model whose cache Triton keeps (implicit state). Run
     the server with `tritonserver --model-repository=REPO`; see docs/deploying.md. For each TensorRT plan a line
     says the TensorRT version, the Triton releases that ship it and the GPU driver its plugin PTX needs.
+
+    The GGUF file is for llama.cpp and what runs it: `llama-cli -m OUT.gguf`, `llama-server -m OUT.gguf`.
     """
+    if repo is None and gguf_out is None:
+        raise click.UsageError("give --triton REPO, --gguf OUT.gguf, or both")
+    if gguf_out is not None:
+        from .deploy.gguf import write_gguf
+        from .progress import step
+
+        with step(f"Writing {gguf_out} ({gguf_type}, for llama.cpp)"):
+            click.echo(write_gguf(build_dir, gguf_out, gguf_type, overwrite=overwrite, allow_failed=allow_failed))
+    if repo is not None:
+        _package_triton(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances,
+                        kind, overwrite, allow_failed, copy_files, generate, generate_only, triton_release)
+
+
+def _package_triton(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances,
+                    kind, overwrite, allow_failed, copy_files, generate, generate_only, triton_release):
     from .deploy.triton import package as write_package
     from .deploy.triton import pin_summary
     from .errors import gpu_compute_capability

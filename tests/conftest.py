@@ -139,6 +139,7 @@ HEAVY_TESTS = {  # node ids without their parameters
     "tests/test_pipeline.py::test_bf16_build_perplexity_within_one_percent",
     # each runs a build of its own (the tiny model, engines included), or the benchmark's command line
     "tests/test_pipeline.py::test_fp16_build_without_decoder",
+    "tests/deploy/test_gguf.py::test_the_tokenizer_is_llama_cpps_gpt2_vocabulary",
     "tests/test_pipeline.py::test_failed_build_leaves_nothing",
     "tests/test_pipeline.py::test_force_replaces_a_build_and_removes_its_leftovers",
     "tests/test_pipeline.py::test_ctrl_c_mid_build_leaves_nothing",
