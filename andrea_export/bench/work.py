@@ -48,15 +48,16 @@ def quantized_matmul_bytes(cfg: ModelConfig, precision: str) -> int:
     MatMul at its own block (quantize.block_for: K = n_embd or 4 n_embd; the head's block, at int4's 4 bits)."""
     from ..graphs.quantize import QUANT, block_for
 
-    C, bits = cfg.n_embd, QUANT[precision]["bits"]
+    C, bits, zero_points = cfg.n_embd, QUANT[precision]["bits"], QUANT[precision]["zero_points"]
 
-    def per_weight(k: int, head: bool = False) -> float:
+    def matmul(k: int, n: int, head: bool = False) -> float:
         block = block_for(k, precision, head=head)
         assert block is not None, "quantize.check_model_shape refuses a width no block divides"
-        return bits / 8 + 4 / block + (bits / 8 / block if QUANT[precision]["zero_points"] else 0)
+        blocks = k // block  # per column: its integers, a float32 scale a block, its zero points packed (pack_nbits)
+        return n * (k * bits / 8 + 4 * blocks + (-(-blocks * bits // 8) if zero_points else 0))
 
-    body = cfg.n_layer * (8 * C * C * per_weight(C) + 4 * C * C * per_weight(4 * C))  # qkv, proj, fc; fc2
-    return int(body + cfg.vocab_size * C * per_weight(C, head=True))
+    body = cfg.n_layer * (matmul(C, 3 * C) + matmul(C, C) + matmul(C, 4 * C) + matmul(4 * C, C))  # qkv, proj, fc; fc2
+    return int(body + matmul(C, cfg.vocab_size, head=True))
 
 
 def forward_bytes(cfg: ModelConfig, batch: int, new: int, past: int = 0, write_kv: bool = True,
