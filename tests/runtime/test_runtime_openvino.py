@@ -121,6 +121,31 @@ def test_fusion_is_all_layers_or_none(build_dir, lively_model):
     assert sorted(op.get_type_name() for op in model.get_ordered_ops()) == before  # no layer was rewritten
 
 
+@pytest.mark.parametrize("change", ["axis", "order", "not-a-past"])
+def test_fusion_refuses_a_cache_that_is_not_the_past_concatenated_along_the_sequence(build_dir, lively_model, change):
+    """The rewrite reads each past through a Gather and hands keys and values to ScaledDotProductAttention as
+    the sequence: a layer whose key Concat joins along another axis, puts this step's keys first, or does not
+    read a past input at all would be fused into other arithmetic (no error, other tokens), so it is refused
+    and the graph left as it was."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from andrea_export.graphs.layout import kv_layout
+    from andrea_export.runtime.openvino import fuse_attention
+
+    model = ov.Core().read_model(build_dir / "decoder.onnx")
+    concat = next(op for op in model.get_ordered_ops() if op.get_type_name() == "Concat"
+                  and op.input_value(0).get_node().get_type_name() == "Parameter")  # layer 0's past keys joined
+    past, new = concat.input_value(0), concat.input_value(1)
+    other = {"axis": lambda: ops.concat([past, new], 1), "order": lambda: ops.concat([new, past], 2),
+             "not-a-past": lambda: ops.concat([ops.multiply(past, ops.constant(np.float32(1))), new], 2)}[change]()
+    for target in list(concat.output(0).get_target_inputs()):
+        target.replace_source_output(other.output(0))
+    before = sorted(op.get_type_name() for op in model.get_ordered_ops())
+    assert not fuse_attention(model, kv_layout(lively_model.cfg))
+    assert sorted(op.get_type_name() for op in model.get_ordered_ops()) == before
+
+
 @pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no bf16 instructions (OpenVINO reports no BF16)")
 def test_the_default_keeps_openvinos_cache_precision(build_dir):
     import openvino as ov
