@@ -151,3 +151,12 @@ def test_llama_cpp_runs_the_gguf_and_gives_our_greedy_tokens(lively_build, livel
         llm.eval([theirs[-1]])
     with runtime.load(lively_build, "onnxruntime") as session:
         assert session.generate(lively_prompt, 16, ignore_eos=True) == theirs
+        ours = session.forward(list(lively_prompt))[-1]
+    from andrea_export.deploy.gguf import GGUF_TYPES
+
+    for kind in GGUF_TYPES:  # every type loads as it is, and its next-token logits are the model's, roughly
+        llm = llama_cpp.Llama(model_path=str(write_gguf(lively_build, tmp_path / f"m.{kind}.gguf", kind)), n_ctx=64,
+                              n_threads=2, logits_all=True, verbose=False)
+        llm.eval(list(lively_prompt))
+        logits = np.asarray(llm.scores[llm.n_tokens - 1])
+        assert np.abs(logits - ours).max() < 0.1 * np.abs(ours).max(), kind
