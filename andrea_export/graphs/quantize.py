@@ -123,6 +123,8 @@ def quantized(model: onnx.ModelProto, precision: str, head_bits: int | None = No
     """The loaded fp32 `model`, changed in place: its weight MatMuls (the tied head's folded copy too) as
     MatMulNBits of `precision`, each in its block (block_for). `head_bits` 8 puts an int4 graph's head at 8 bits
     (in int8's blocks); `body` False quantizes the head alone (choose_head_bits measures it so)."""
+    if head_bits not in (None, 4, 8):
+        raise ConfigError(f"the tied head is quantized at 4 or 8 bits, not {head_bits!r}")
     _fold_tied_head(model)
     inits = {t.name: t for t in model.graph.initializer}
     plan: dict[str, tuple[int, int]] = {}  # node -> (bits, block)
@@ -162,7 +164,10 @@ def choose_head_bits(onnx_fp32: str | Path, share: float = HEAD_SHARE) -> tuple[
     from .layout import config_of
 
     onnx_fp32 = Path(onnx_fp32)
-    cfg = config_of(_fp32_model(onnx_fp32, "int4")[1], onnx_fp32)
+    meta = {p.key: p.value for p in onnx.load(str(onnx_fp32), load_external_data=False).metadata_props}
+    if meta.get(PRECISION_KEY, "fp32") != "fp32":
+        raise ExportError(f"{onnx_fp32}: is already a {meta[PRECISION_KEY]} graph; measure the fp32 export")
+    cfg = config_of(meta, onnx_fp32)
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, min(64, cfg.n_positions)), dtype=np.int64)
 
     def logits(path: str | Path) -> np.ndarray:

@@ -200,6 +200,8 @@ def test_bad_combinations_are_refused(tiny_onnx, tmp_path):
     int4 = quantize_weights(tiny_onnx, tmp_path / "model.int4.onnx", "int4")
     with pytest.raises(ExportError, match="already a int4 graph; quantize the fp32 export"):
         quantize_weights(int4, tmp_path / "again.onnx", "int8")
+    with pytest.raises(ConfigError, match="the tied head is quantized at 4 or 8 bits, not 6"):
+        quantize_weights(tiny_onnx, tmp_path / "h6.onnx", "int4", head_bits=6)
     odd = ModelConfig(name="odd", vocab_size=64, n_embd=48, n_layer=1, n_head=4, n_positions=16)
     for precision in WEIGHT_ONLY:
         with pytest.raises(ConfigError, match=f"blocks of 16 to {QUANT[precision]['block_size']} along n_embd; odd's n_embd = 40 is not a multiple of 16"):
