@@ -445,9 +445,11 @@ def _package_triton(build_dir, repo, name, backend, max_batch_size, max_queue_de
                    "tokenizer names one]")
 @click.option("--backend", type=click.Choice(["auto", "onnxruntime", "tensorrt", "openvino"]), default="auto",
               show_default=True,
-              help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed, else ONNX Runtime. "
-                   "openvino (the 'openvino' extra): the build's fp32 decoder on OpenVINO, in bf16 where the CPU has "
-                   "bf16 instructions (verified by the build: verify.json 'runtimes').")
+              help="auto: TensorRT when the folder has a decoder engine and TensorRT is installed; else OpenVINO in "
+                   "bf16 where the build verified it and measured it faster than ONNX Runtime and this CPU has bf16 "
+                   "(said on stderr); else ONNX Runtime. openvino (the 'openvino' extra): the build's fp32 decoder on "
+                   "OpenVINO, in bf16 where the CPU has bf16 instructions (verified by the build: verify.json "
+                   "'runtimes').")
 @click.option("--inference-precision", type=click.Choice(["default", "bf16", "f32"]), default="default",
               show_default=True, help="--backend openvino only: what it computes in (default: bf16 where the CPU has it).")
 @click.option("--kv-cache-precision", type=click.Choice(["default", "u8", "f16", "bf16", "f32"]), default="default",
@@ -498,6 +500,12 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
             raise click.UsageError(f"--{name.replace('_', '-')} does not apply to --strategy {strategy}"
                                    + (" (greedy decoding samples nothing; choose --strategy top-k or top-p)"
                                       if strategy == "greedy" else ""))
+    if backend == "auto":
+        backend, why = runtime.default_backend(build)
+        if why:
+            from .progress import console
+
+            console.print(why, markup=False, highlight=False)  # stderr: stdout stays the tokens
     with runtime.load(build, backend=backend, inference_precision=inference_precision,
                       kv_cache_precision=kv_cache_precision) as sess:
         if (sess.weights_source or {}).get("kind") == "random-init":  # as build and verify announce it

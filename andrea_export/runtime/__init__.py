@@ -36,7 +36,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
 ENGINE_FILE = TABLE[Role.DECODER_ENGINE].file  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
-           "eos_id", "load", "next_token", "read_tokenizer_config", "tokenizer_path"]
+           "default_backend", "eos_id", "load", "next_token", "read_tokenizer_config", "tokenizer_path"]
 
 
 def tokenizer_path(path: str | Path) -> Path | None:
@@ -217,6 +217,38 @@ def load(
     eos = eos_id(path) if path.is_dir() else None
     sess.eos_id = eos if eos is not None and 0 <= eos < cfg.vocab_size else None
     return sess
+
+
+def default_backend(path: str | Path) -> tuple[str, str | None]:
+    """(the backend `generate` runs `path` on, a line saying why when it computes otherwise than the build): TensorRT
+    where `load`'s "auto" takes it; else OpenVINO for a build that verified OpenVINO in bf16 and measured it
+    decoding faster than ONNX Runtime (the manifest's "cpu_decode", verify/openvino.py's decode_race), on a CPU
+    that computes in bf16 too, with ONNX Runtime on the CPU only; else ONNX Runtime. `load(path, "auto")` itself
+    never takes OpenVINO: bf16 is not the fp32 build's arithmetic, so a program asks for it by name."""
+    import importlib.util
+
+    path = Path(path)
+    manifest = _build_manifest(path)
+    if _has_engine(path, manifest) and installed("tensorrt"):
+        return "tensorrt", None
+    verification = (manifest or {}).get("verification") or {}
+    race, runtimes = verification.get("cpu_decode"), verification.get("runtimes")
+    from .openvino import check_name
+
+    name = check_name("bf16")
+    race = race if isinstance(race, dict) else {}
+    speeds = race.get("tokens_per_s")
+    if (not isinstance(speeds, dict) or race.get("faster") != name or not isinstance(runtimes, dict)
+            or runtimes.get(name) is not True or not _cpu_only(None) or importlib.util.find_spec("openvino") is None):
+        return "onnxruntime", None
+    from .openvino import cpu_has_bf16
+
+    ours, theirs = speeds.get(name), speeds.get("onnxruntime")
+    if not cpu_has_bf16() or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (ours, theirs)):
+        return "onnxruntime", None
+    return "openvino", (f"running on OpenVINO in bf16: the build verified it ({name}) and measured it decoding "
+                        f"{ours:.0f} tokens/s against ONNX Runtime's {theirs:.0f} in fp32; --backend onnxruntime "
+                        "computes in fp32")
 
 
 def _has_engine(path: Path, manifest: dict | None) -> bool:

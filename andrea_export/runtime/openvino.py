@@ -75,6 +75,11 @@ def kv_cache_precision_of(compiled) -> str | None:
     return compiled.get_property("KV_CACHE_PRECISION").get_type_name()
 
 
+def check_name(inference_precision: str) -> str:
+    """The build's check of this backend computing in `inference_precision` (verify.json "runtimes", the manifest)."""
+    return f"openvino-{inference_precision}"
+
+
 def cpu_has_bf16() -> bool:
     """Whether OpenVINO's CPU plugin reports bf16 among this CPU's optimization capabilities."""
     ov = require("openvino", "openvino", "the OpenVINO backend")

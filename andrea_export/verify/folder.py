@@ -157,7 +157,8 @@ def verification_record(report) -> dict:
             "skipped": report.skipped, "artifacts": {c["artifact"]: c["passed"] for c in report.comparisons},
             "perplexity": ({**p["reference"], **p["artifacts"], **_runtime_perplexities(report)}
                            if (p := report.perplexity) and p.get("computed") else None),
-            "runtimes": {name: r["passed"] for name, r in (report.runtimes or {}).items()}}
+            "runtimes": {name: r["passed"] for name, r in (report.runtimes or {}).items()},
+            "cpu_decode": next((r["decode"] for r in (report.runtimes or {}).values() if r.get("decode")), None)}
 
 
 def _runtime_perplexities(report) -> dict:

@@ -2,13 +2,18 @@
 contract as ONNX Runtime, in f32 (tokens equal ONNX Runtime's) and in bf16 where the CPU has it (logits
 near PyTorch's; bf16 rounding measured, not assumed)."""
 
+import json
+import shutil
+
 import numpy as np
 import pytest
 import torch
+from click.testing import CliRunner
 
 pytest.importorskip("openvino", reason="OpenVINO (the 'openvino' extra) is not installed")
 
 from andrea_export import runtime  # noqa: E402
+from andrea_export.cli import main  # noqa: E402
 from andrea_export.errors import AndreaExportError, InputError  # noqa: E402
 from andrea_export.runtime.openvino import cpu_has_bf16  # noqa: E402
 
@@ -157,3 +162,35 @@ def test_the_default_keeps_openvinos_cache_precision(build_dir):
     assert bf16.kv_cache_precision == "bf16"
     with pytest.raises(InputError, match="kv_cache_precision"):
         runtime.load(build_dir, backend="openvino", kv_cache_precision="i4")
+
+
+def test_generate_takes_openvino_only_where_the_build_measured_it_faster_in_bf16(tiny_build, tmp_path):
+    """The build races OpenVINO against ONNX Runtime's decode (manifest "cpu_decode"): on andrea-tiny ONNX Runtime
+    wins (OpenVINO's per-step overhead is most of such a step), and `generate` stays on it. A build that
+    measured OpenVINO faster in bf16 and verified it there gets OpenVINO, said on stderr, with OpenVINO's tokens;
+    a record that claims it without the passed check, or with figures that are not numbers, gets ONNX Runtime."""
+    from andrea_export.runtime.openvino import check_name
+
+    out, manifest = tiny_build
+    race = manifest["verification"]["cpu_decode"]
+    name = next(iter(manifest["verification"]["runtimes"]))  # openvino-bf16, or openvino-f32 without bf16
+    assert set(race["tokens_per_s"]) == {"onnxruntime", name} and all(v > 0 for v in race["tokens_per_s"].values())
+    assert race["faster"] == "onnxruntime" and runtime.default_backend(out) == ("onnxruntime", None)
+    if not cpu_has_bf16():
+        pytest.skip("this CPU has no bf16 instructions: OpenVINO is never the default here")
+    faster = shutil.copytree(out, tmp_path / "faster")
+    record = json.loads((faster / "manifest.json").read_text())
+    record["verification"]["cpu_decode"]["faster"] = check_name("bf16")
+    (faster / "manifest.json").write_text(json.dumps(record))
+    backend, why = runtime.default_backend(faster)
+    assert backend == "openvino" and "OpenVINO in bf16" in why and "--backend onnxruntime" in why
+    result = CliRunner().invoke(main, ["generate", str(faster), "--prompt-ids", "5,6,7", "-n", "6"])
+    assert result.exit_code == 0, result.output
+    assert "running on OpenVINO in bf16" in result.stderr
+    with runtime.load(faster, "openvino") as sess:
+        assert result.stdout.split() == [str(t) for t in sess.generate([5, 6, 7], 6)]
+    claimed = record["verification"]
+    for lie in ({"runtimes": {check_name("bf16"): False}},
+                {"cpu_decode": {**claimed["cpu_decode"], "tokens_per_s": {check_name("bf16"): "fast", "onnxruntime": 1}}}):
+        (faster / "manifest.json").write_text(json.dumps({**record, "verification": {**claimed, **lie}}))
+        assert runtime.default_backend(faster) == ("onnxruntime", None), lie
