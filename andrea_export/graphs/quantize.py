@@ -19,12 +19,12 @@ round to nearest in blocks of 128 read 49.7 MB a step and kept top-1 30/64 (KL 0
 weights are Gaussian and the inputs random, so no calibrated quantizer gains (ONNX Runtime's GPTQ: KL 0.0120
 instead of 0.0122, in 6 minutes); what pays is the grid: asymmetric blocks of 64 with searched ranges have
 0.0076 relative squared weight error (Q4_0 0.0074, symmetric 128 0.0106), at 53.1 MB a step: top-1 40/64,
-KL 0.0094, decode 1.07-1.13x llama.cpp's at batch 1. HQQ (float zero points, 58 MB) and k-quant's weighted
-search (KL 0.0099) did no better. On the trained andrea-tiny the head is where the error sits (73 % of it):
-at 8 bits its held-out perplexity moves +0.07 % instead of +0.92 %.
+KL 0.0094, generating 1.09x / 1.66x as fast as llama.cpp's Q4_0 at batch 1 / 8. HQQ (float zero points,
+58 MB) and k-quant's weighted search (KL 0.0099) did no better. On the trained andrea-tiny the head is where
+the error sits (73 % of it): at 8 bits its held-out perplexity moves +0.07 % instead of +0.92 %.
 
-With ONNX Runtime's symmetric int4, blocks of 128 decoded 15-16 % faster than 32
-on the in-place decoder; the block costs a float32 scale each (int4 at 32: 0.125 bytes per weight beside 0.5).
+With ONNX Runtime's symmetric int4, blocks of 128 decoded 15-16 % faster than 32 on the in-place decoder; a
+block costs a float32 scale (int4 at 32: 0.125 bytes per weight beside 0.5).
 
 Every MatMulNBits has `accuracy_level` 4: ONNX Runtime's CPU kernel then quantizes each activation block
 to int8 on the fly and multiplies int8 x int8 (VNNI / AVX2), instead of dequantizing every weight to
