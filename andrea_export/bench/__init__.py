@@ -49,6 +49,7 @@ from .backends import (
     DEFAULT_BACKENDS,
     Context,
     GenaiBackend,
+    LlamaCppBackend,
     MemReadBackend,
     OptimumBackend,
     OrtBackend,
@@ -74,7 +75,7 @@ from .work import (
 )
 
 __all__ = [
-    "BACKENDS", "DEFAULT_BACKENDS", "Context", "GenaiBackend", "MemReadBackend", "OptimumBackend", "OrtBackend",
+    "BACKENDS", "DEFAULT_BACKENDS", "Context", "GenaiBackend", "LlamaCppBackend", "MemReadBackend", "OptimumBackend", "OrtBackend",
     "TorchBackend", "TrtBackend", "Unavailable", "make_backends",
     "goals",
     "Settings", "Stats", "interleaved_order", "percentile", "ratio_median", "run_interleaved",

@@ -188,11 +188,11 @@ def print_summary(doc: dict) -> None:
 
 
 def _cpu_peer_goals(doc: dict) -> list[dict]:
-    """Against the CPU runtimes users pick (OpenVINO, CTranslate2; report.peers pairs each with ours at its
+    """Against the CPU runtimes users pick (OpenVINO, CTranslate2, llama.cpp; report.peers pairs each with ours at its
     precision): our generate at least as fast as each at batch 1 and 8, and the fastest of our accurate
     runs (ort-cpu fp32, ours-openvino: fp32 weights in bf16, verified by the build) at least as fast as
     OpenVINO's default (value: the worst case's peer time / ours)."""
-    cpu_peers = [p for p in PEERS if p.startswith(("openvino", "ctranslate2"))]
+    cpu_peers = [p for p in PEERS if p.startswith(("openvino", "ctranslate2", "llama-cpp"))]
     ratios = [q for q in (doc.get("peers") or {}).get("ratios", []) if q["scenario"] == "generate"
               and q["peer"] in cpu_peers and q["batch"] in (1, 8)]  # fmt: skip
     worst = min(ratios, key=lambda q: q["time_ratio"], default=None)

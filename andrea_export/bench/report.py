@@ -59,7 +59,7 @@ CSV_FIELDS = (
 OURS = "ort-cpu"  # our graph in ONNX Runtime: the peers run in the same runtime, so they are measured against it
 CONCAT = "ort-cpu-concat"  # ours on the standard decoder (OURS runs the in-place one)
 PEERS = ("optimum", "genai", "openvino", "openvino-f32", "openvino-int8", "openvino-int4", "ctranslate2",
-         "ctranslate2-int8", "optimum-hf-folder")
+         "ctranslate2-int8", "llama-cpp", "llama-cpp-q8_0", "llama-cpp-q4_0", "optimum-hf-folder")
 # ours at each precision a peer computes in (OpenVINO's default on a bf16 CPU is bf16)
 OURS_BY_PRECISION = {"fp32": OURS, "int8": "ort-cpu-int8", "int4": "ort-cpu-int4", "bf16": "ours-openvino"}
 REQUIRED_TOP = ("schema_version", "kind", "config", "settings", "environment", "machine", "backends", "rows")

@@ -39,13 +39,13 @@ def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str = "f16", *
     file it reads checked against the manifest). `gguf_type`: one of GGUF_TYPES. Written atomically: an
     interrupted write leaves no file, or the old one. Returns `out`."""
     from ..catalog import Role
-    from ..folder.atomic import atomic_path, locked_folder
+    from ..folder.atomic import locked_folder
     from ..graphs.external_data import graph_weights
     from ..graphs.layout import check_onnx, config_of, metadata_of
     from ..names import PRECISION_KEY
     from .triton.common import artifact_file, check_status, read_manifest
 
-    gguf = require("gguf", "gguf", "Writing a GGUF file")
+    require("gguf", "gguf", "Writing a GGUF file")
     if gguf_type not in GGUF_TYPES:
         raise PackageError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     build_dir, out = Path(build_dir), Path(out)
@@ -65,17 +65,25 @@ def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str = "f16", *
             raise PackageError(str(e)) from None
         if meta.get(PRECISION_KEY, "fp32") != "fp32":
             raise PackageError(f"{graph}: a {meta[PRECISION_KEY]} graph where the build's float32 one should be")
-        tensors = gpt2_tensors(_load(graph), cfg)
-        vocab = gpt2_vocab(build_dir, cfg.vocab_size)
-        with atomic_path(out) as tmp:
-            writer = gguf.GGUFWriter(tmp, ARCH)
-            _add_metadata(writer, gguf, cfg, gguf_type, vocab)
-            for name, array in tensors.items():
-                _add_tensor(writer, gguf, name, array, gguf_type)
-            writer.write_header_to_file()
-            writer.write_kv_data_to_file()
-            writer.write_tensors_to_file()
-            writer.close()
+        return write_gguf_of_graph(graph, cfg, out, gguf_type, gpt2_vocab(build_dir, cfg.vocab_size))
+
+
+def write_gguf_of_graph(graph: Path, cfg, out: Path, gguf_type: str, vocab: dict | None = None) -> Path:
+    """`out` from the float32 standard graph `graph` of model `cfg` (its weights beside it, already checked by the
+    caller), with `vocab` (gpt2_vocab) or none; written atomically."""
+    from ..folder.atomic import atomic_path
+
+    gguf = require("gguf", "gguf", "Writing a GGUF file")
+    tensors = gpt2_tensors(_load(graph), cfg)
+    with atomic_path(out) as tmp:
+        writer = gguf.GGUFWriter(tmp, ARCH)
+        _add_metadata(writer, gguf, cfg, gguf_type, vocab)
+        for name, array in tensors.items():
+            _add_tensor(writer, gguf, name, array, gguf_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
     return out
 
 

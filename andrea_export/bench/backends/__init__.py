@@ -9,6 +9,7 @@ from ...errors import AndreaExportError
 from .base import Backend, Context, Unavailable, default_cache_dir, weights_fingerprint
 from .ctranslate2 import Ct2Backend
 from .genai import GenaiBackend
+from .llama_cpp import LlamaCppBackend
 from .mem import MemReadBackend
 from .openvino import OpenVinoBackend, OursOpenVinoBackend
 from .optimum import OptimumBackend
@@ -18,7 +19,7 @@ from .tensorrt import TrtBackend
 
 BACKENDS = ("mem-read", "mem-read-int8", "mem-read-int4", "torch", "ort-cpu", "ort-cpu-concat", "ort-cpu-int8", "ort-cpu-int4", "ours-openvino", "ort-cuda",
             "trt-native", "trt-plugin", "optimum", "genai", "openvino", "openvino-f32", "openvino-int8", "openvino-int4",
-            "ctranslate2", "ctranslate2-int8", "optimum-hf-folder")
+            "ctranslate2", "ctranslate2-int8", "llama-cpp", "llama-cpp-q8_0", "llama-cpp-q4_0", "optimum-hf-folder")
 DEFAULT_BACKENDS = BACKENDS[:-1]  # optimum-hf-folder (Optimum's loop on our graph) on request
 
 
@@ -49,6 +50,8 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
             out.append(OpenVinoBackend(n.partition("-")[2] or "default"))
         elif n.startswith("ctranslate2"):
             out.append(Ct2Backend(n.partition("-")[2] or "float32"))
+        elif n.startswith("llama-cpp"):
+            out.append(LlamaCppBackend(n.removeprefix("llama-cpp").lstrip("-") or "f32"))
         elif n in ("trt-native", "trt-plugin"):
             out.append(TrtBackend(n.split("-", 1)[1], (trt_engines or {}).get(n)))
         else:
@@ -56,6 +59,6 @@ def make_backends(names: Iterable[str], trt_engines: dict[str, dict] | None = No
     return out
 
 
-__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "Ct2Backend", "GenaiBackend", "MemReadBackend",
+__all__ = ["BACKENDS", "DEFAULT_BACKENDS", "Backend", "Context", "Ct2Backend", "GenaiBackend", "LlamaCppBackend", "MemReadBackend",
            "OpenVinoBackend", "OptimumBackend", "OursOpenVinoBackend", "OrtBackend", "TorchBackend", "TrtBackend", "Unavailable", "default_cache_dir",
            "make_backends", "session_options", "torch_greedy", "weights_fingerprint"]
