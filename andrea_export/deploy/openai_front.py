@@ -419,11 +419,11 @@ class Metrics:
 
 
 async def _metered(tokens, m: Metrics, t0: float, prompt_tokens: int, state: dict):
-    """`tokens` (pieces()) passed on, measured: its first token, the gaps between tokens, how it ended; counted
-    among the completions in flight (state["in_flight"]) from its first step to its end, however it ends."""
+    """`tokens` (pieces()) passed on, measured: its first token, the gaps between tokens, how it ended. It gives
+    back the place among the completions in flight (state["in_flight"]) that _answer took for it, however it
+    ends (its first step runs inside the try: even a first step that fails or is cancelled gives it back)."""
     import asyncio
 
-    state["in_flight"] += 1
     m.running.inc()
     m.prompt_tokens.inc(prompt_tokens)
     last, ended = None, False
@@ -530,7 +530,12 @@ async def _answer(request, c: Completion, model: Model, upstream: str, limits: L
     t0 = time.monotonic()
     if state["in_flight"] >= limits.max_requests:  # before the prompt is rendered or tokenized
         raise FrontError(f"the server is busy: {limits.max_requests} completions in flight; retry later", 503)
-    ids = await prompt_ids(c, model)
+    state["in_flight"] += 1  # taken before the first await, so that requests arriving meanwhile count it
+    try:
+        ids = await prompt_ids(c, model)
+    except BaseException:
+        state["in_flight"] -= 1  # _metered, which gives it back otherwise, never started
+        raise
     tokens = _metered(pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id),
                       metrics, t0, len(ids), state)
     try:

@@ -724,6 +724,44 @@ def test_a_client_that_stalls_is_timed_out_and_a_connection_cap_answers_503(fron
         time.sleep(0.1)
 
 
+def test_completions_beyond_max_requests_get_503_even_when_they_arrive_together(server, demo_build):
+    """--max-requests counts a completion from the moment it is admitted: eight text prompts sent at once to a
+    front that takes two are not all let in while the first ones tokenize and wait for their first token (they
+    were: the count began at the first token, so every one of them passed the check). The refused get an
+    OpenAI-shaped 503; the admitted get their whole completion; the front goes on."""
+    import threading
+
+    from andrea_export.deploy.openai_front import Limits, Model, start_front
+
+    model = Model("andrea", 128, 8449, serve_module._tokenizer(demo_build))
+    f = start_front(model, f"{server.url()}/v2/models/{server.model}/generate_stream", "127.0.0.1", 0,
+                    limits=Limits(max_requests=2))
+    try:
+        body = json.dumps({"model": "andrea", "prompt": "The for statement " * 8, "max_tokens": 96,
+                           "ignore_eos": True}).encode()
+        headers = {"Content-Type": "application/json", "Content-Length": str(len(body))}
+        gate, answers = threading.Barrier(8), []
+
+        def ask():
+            gate.wait()
+            answers.append(_raw("127.0.0.1", f.port, "POST", "/v1/completions", body, headers, timeout=60))
+
+        threads = [threading.Thread(target=ask) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        served = [json.loads(a) for status, a in answers if status == 200]
+        refused = [json.loads(a) for status, a in answers if status == 503]
+        assert len(served) + len(refused) == 8, answers
+        assert served and refused, f"{len(served)} served, {len(refused)} refused"
+        assert all(r["error"]["message"].startswith("the server is busy: 2 completions in flight") for r in refused)
+        assert all(a["usage"]["completion_tokens"] == 96 for a in served)
+        assert _raw("127.0.0.1", f.port, "POST", "/v1/completions", body, headers)[0] == 200  # every place given back
+    finally:
+        f.stop(10)
+
+
 def test_triton_keeps_its_dangerous_apis_behind_the_admin_key(server):
     """Shared memory, model control and logging answer only the admin key, over HTTP and gRPC; inference does not
     need it. Triton's ports listen on loopback."""
