@@ -20,7 +20,7 @@ Measured on ANDREA-120M fp32, 2 threads (Intel Xeon, AVX-512), 16 decoding rows 
 
 Neither group may be empty: ONNX Runtime 1.32's CPU GroupQueryAttention dies of a floating point exception
 on a batch of 0 rows (the whole process, not an error status), so a step with one group runs on the
-one-group graph (runtime/ort.py's SlotCache). The graph is made when a slot cache is (ONNX Runtime loads it
+one-group graph (runtime/ort.py's OrtSlotCache). The graph is made when a slot cache is (ONNX Runtime loads it
 from memory, its weights from the build's file); it is not written into the build.
 """
 

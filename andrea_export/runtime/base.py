@@ -29,7 +29,7 @@ import contextlib
 import dataclasses
 import threading
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING, ContextManager, TypeGuard, cast
+from typing import ContextManager, Protocol, TypeGuard, cast
 
 import numpy as np
 
@@ -39,10 +39,20 @@ from ..graphs.layout import KVLayout
 from ..names import MAX_SEED
 from .sampling import Sampling, next_token
 
-if TYPE_CHECKING:
-    from .ort import SlotCache
-
 PAD_ID = 0  # what padded positions hold; masked out, so any valid id would do
+
+
+class SlotCache(Protocol):
+    """What runtime/batcher.py steps: a fixed set of cache slots, one sequence each (ort.py's OrtSlotCache is the
+    one there is). `run(group, [chunk])` runs a group of slots (first, ids, held), and with it a joining
+    prompt's chunk, and returns their logits."""
+
+    layout: KVLayout
+    slots: int
+
+    def run(self, group: tuple, chunk: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]: ...
+
+    def close(self) -> None: ...
 
 
 def check_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:

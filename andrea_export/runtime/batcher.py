@@ -8,7 +8,7 @@
         ...
         ticket.cancel()                                                        # frees its slot at the next step
 
-One engine thread owns a SlotCache (ort.py: the in-place cache, one slot per sequence). Each step:
+One engine thread owns a SlotCache (ort.py's OrtSlotCache: the in-place cache, one slot per sequence). Each step:
   1. admit waiting requests into free slots (lowest first, so the running slots stay packed at the front);
   2. cancelled requests leave, each with a final event;
   3. one run (the slot cache's two groups, graphs/two_groups.py: every weight read once for both):

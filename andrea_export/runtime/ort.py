@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..graphs.layout import KVLayout
 from ..graphs.two_groups import PREFIX as CHUNK
 from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
-from .base import Session, Steps
+from .base import Session, SlotCache, Steps
 
 
 def _providers(requested: list[str] | None, layout: KVLayout, source) -> list[str]:
@@ -99,7 +99,7 @@ class OrtSession(Session):
         if not self.layout.shared:
             raise InputError(f"{self.source}: in-flight batching needs the in-place decoder (decoder.inplace.onnx: "
                              "a build's CPU decoder; load the build folder with backend 'onnxruntime' on the CPU)")
-        return SlotCache(self, slots)
+        return OrtSlotCache(self, slots)
 
     def _two_group_session(self):
         """An InferenceSession of this session's in-place graph made two-group (graphs/two_groups.py), with
@@ -124,7 +124,7 @@ class OrtSession(Session):
         return ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
 
 
-class SlotCache:
+class OrtSlotCache:
     """A fixed set of slots of the in-place cache, each holding one sequence, for in-flight batching: one host
     buffer [slots, n_head, n_positions, head_dim] per layer and kind, run through the owner's session or,
     when the decoding rows and a joining prompt's chunk share a step, through a session of its own on the
