@@ -184,7 +184,7 @@ def load(
     path = Path(path)
     manifest = _build_manifest(path)
     if backend == "auto":
-        backend = "tensorrt" if _has_engine(path, manifest) and installed("tensorrt") else "onnxruntime"
+        backend = _auto(path, manifest)
     for setting, value in (("inference_precision", inference_precision), ("kv_cache_precision", kv_cache_precision)):
         if backend != "openvino" and value != "default":
             raise InputError(f"{setting} is an OpenVINO setting; backend {backend!r} computes in the graph's precision")
@@ -229,7 +229,7 @@ def default_backend(path: str | Path) -> tuple[str, str | None]:
 
     path = Path(path)
     manifest = _build_manifest(path)
-    if _has_engine(path, manifest) and installed("tensorrt"):
+    if _auto(path, manifest) == "tensorrt":
         return "tensorrt", None
     verification = (manifest or {}).get("verification") or {}
     race, runtimes = verification.get("cpu_decode"), verification.get("runtimes")
@@ -249,6 +249,11 @@ def default_backend(path: str | Path) -> tuple[str, str | None]:
     return "openvino", (f"running on OpenVINO in bf16: the build verified it ({name}) and measured it decoding "
                         f"{ours:.0f} tokens/s against ONNX Runtime's {theirs:.0f} in fp32; --backend onnxruntime "
                         "computes in fp32")
+
+
+def _auto(path: Path, manifest: dict | None) -> str:
+    """`load`'s "auto": TensorRT where `path` holds a decoder engine and TensorRT imports, else ONNX Runtime."""
+    return "tensorrt" if _has_engine(path, manifest) and installed("tensorrt") else "onnxruntime"
 
 
 def _has_engine(path: Path, manifest: dict | None) -> bool:

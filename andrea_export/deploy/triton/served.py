@@ -69,7 +69,9 @@ def parse_request(get, vocab_size: int, encode=None, max_text_bytes: int | None 
         raw = text.reshape(-1)[0] if text.size == 1 else None
         if not isinstance(raw, (bytes, str)):
             raise BadRequest("text_input: one string expected")
-        size = len(raw) if isinstance(raw, bytes) else len(raw.encode("utf-8", "surrogatepass"))
+        # a string has at least as many UTF-8 bytes as characters: one too long is refused before it is encoded
+        size = len(raw) if isinstance(raw, bytes) or (max_text_bytes is not None and len(raw) > max_text_bytes) \
+            else len(raw.encode("utf-8", "surrogatepass"))
         if max_text_bytes is not None and size > max_text_bytes:
             raise BadRequest(f"text_input: {size:,} bytes cannot fit the model's context (at most "
                              f"{max_text_bytes:,} bytes)")
