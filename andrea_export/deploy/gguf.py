@@ -178,20 +178,26 @@ def gpt2_vocab(build_dir: Path, vocab_size: int) -> dict | None:
         eos, template = eos_id(build_dir), read_tokenizer_config(build_dir).get("chat_template")
     except InputError as e:
         raise PackageError(str(e)) from None
-    model, pre = (data.get("model") or {}), (data.get("pre_tokenizer") or {})
+    model, pre = data.get("model"), data.get("pre_tokenizer")
+    model, pre = (model if isinstance(model, dict) else {}), (pre if isinstance(pre, dict) else {})
     byte_level = (pre.get("type") == "ByteLevel" and pre.get("use_regex", True) and not pre.get("add_prefix_space"))
     if model.get("type") != "BPE" or model.get("byte_fallback") or data.get("normalizer") or not byte_level:
         raise PackageError(f"{path}: not a GPT-2 byte-level BPE tokenizer (model {model.get('type')!r}, pre-tokenizer "
                            f"{pre.get('type')!r}, normalizer {'set' if data.get('normalizer') else 'none'}); llama.cpp's "
                            "GPT-2 vocabulary would split text otherwise")
-    tokens: dict[int, tuple[str, int]] = {}
-    for text, i in (model.get("vocab") or {}).items():
-        tokens[i] = (text, 1)  # gguf.TokenType.NORMAL
-    for added in data.get("added_tokens") or []:
-        tokens[added["id"]] = (added["content"], 3 if added.get("special") else 4)  # CONTROL, USER_DEFINED
+    vocab, added_tokens = model.get("vocab"), data.get("added_tokens") or []
+    if not isinstance(vocab, dict) or not isinstance(added_tokens, list) or not all(isinstance(a, dict) for a in added_tokens):
+        raise PackageError(f"{path}: its vocabulary is not a mapping of tokens to ids with a list of added tokens")
+    tokens: dict[int, tuple[str, int]] = {i: (text, 1) for text, i in vocab.items()}  # gguf.TokenType.NORMAL
+    for added in added_tokens:
+        tokens[added.get("id")] = (added.get("content"), 3 if added.get("special") else 4)  # CONTROL, USER_DEFINED
+    if not all(isinstance(i, int) and not isinstance(i, bool) and isinstance(t, str) for i, (t, _) in tokens.items()):
+        raise PackageError(f"{path}: a token that is not a string, or an id that is not an integer")
     if not tokens or max(tokens) >= vocab_size or min(tokens) < 0:
         raise PackageError(f"{path}: token ids run to {max(tokens, default=-1)}; the model has {vocab_size}")
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges") or []]
+    raw = model.get("merges") or []
+    merges = [m if isinstance(m, str) else " ".join(m) if isinstance(m, list) and all(isinstance(x, str) for x in m)
+              else None for m in (raw if isinstance(raw, list) else [None])]
     if any(not isinstance(m, str) or m.count(" ") != 1 for m in merges):
         raise PackageError(f"{path}: a merge is not a pair of tokens without spaces")
     listed = [tokens.get(i, (f"[PAD{i}]", 5)) for i in range(vocab_size)]  # UNUSED, as llama.cpp's converter pads

@@ -107,6 +107,18 @@ def test_the_tokenizer_is_llama_cpps_gpt2_vocabulary(demo_dir, tmp_path_factory)
     from andrea_export.model.text import PLAIN_CHAT_TEMPLATE
 
     assert _field(reader, "tokenizer.chat_template") == PLAIN_CHAT_TEMPLATE
+    # a tokenizer.json as anyone could write it (re-recorded in the manifest): a string id is refused by name
+    from andrea_export.folder.atomic import sha256_file
+
+    bad = shutil.copytree(out, tmp_path_factory.mktemp("bad") / "demo")
+    tok["added_tokens"][0]["id"] = "0"
+    (bad / "tokenizer.json").write_text(json.dumps(tok))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest["artifacts"]["tokenizer"].update(sha256=sha256_file(bad / "tokenizer.json"),
+                                              bytes=(bad / "tokenizer.json").stat().st_size)
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(PackageError, match="an id that is not an integer"):
+        write_gguf(bad, tmp_path_factory.mktemp("gguf") / "bad.gguf")
 
 
 def test_what_a_gguf_write_refuses(lively_build, tmp_path):
