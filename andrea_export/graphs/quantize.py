@@ -12,19 +12,14 @@ weight MatMuls are `com.microsoft.MatMulNBits` nodes (weight-only: the graph's a
   two that does (`block_for`; ORT's kernels need >= 16): a block past K would be padded with zeros that every
   step reads (andrea-tiny's K = 64 MatMuls get blocks of 64).
 
-Why this int4 (measured against llama.cpp's Q4_0 on the same ANDREA-120M seeded weights, 64 random
-32-token prompts, 2 threads, AMD EPYC Zen 4; benchmarks/README.md has the table): ONNX Runtime's symmetric
-round to nearest in blocks of 128 read 49.7 MB a step and kept top-1 30/64 (KL 0.0126); llama.cpp's Q4_0
-(blocks of 32, float16 scales, the tied head at 6 bits) reads 53.6 MB and keeps 44/64 (0.0081). These
-weights are Gaussian and the inputs random, so no calibrated quantizer gains (ONNX Runtime's GPTQ: KL 0.0120
-instead of 0.0122, in 6 minutes); what pays is the grid: asymmetric blocks of 64 with searched ranges have
-0.0076 relative squared weight error (Q4_0 0.0074, symmetric 128 0.0106), at 53.1 MB a step: top-1 40/64,
-KL 0.0094, generating 1.09x / 1.66x as fast as llama.cpp's Q4_0 at batch 1 / 8. HQQ (float zero points,
-58 MB) and k-quant's weighted search (KL 0.0099) did no better. On the trained andrea-tiny the head is where
-the error sits (73 % of it): at 8 bits its held-out perplexity moves +0.07 % instead of +0.92 %.
-
-With ONNX Runtime's symmetric int4, blocks of 128 decoded 15-16 % faster than 32 on the in-place decoder; a
-block costs a float32 scale (int4 at 32: 0.125 bytes per weight beside 0.5).
+Why this int4: at a fixed number of bytes a step, what keeps the model is the grid, and a block's own range
+with a zero point fits a block of weights more closely than a symmetric grid of the same block (relative squared
+error on ANDREA-120M's weights: 0.0076 at 64 against 0.0106 for ONNX Runtime's symmetric 128), for 4.56 bits a
+weight, as llama.cpp's Q4_0 spends 4.5. Where the model's own inputs carry no structure (random weights, random
+ids) no calibrated quantizer gains over that (GPTQ did not), so none is run. A block costs a float32 scale
+(MatMulNBits takes no float16 ones beside float32 activations), which is why the blocks are not smaller. The
+head decides by measurement because it differs by model: most of a trained model's int4 error sits there, a
+tenth of random weights'. The comparison with llama.cpp, and what else was tried, is in benchmarks/README.md.
 
 Every MatMulNBits has `accuracy_level` 4: ONNX Runtime's CPU kernel then quantizes each activation block
 to int8 on the fly and multiplies int8 x int8 (VNNI / AVX2), instead of dequantizing every weight to

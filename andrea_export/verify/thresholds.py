@@ -45,10 +45,10 @@ from typing import Any
 #   graph        max|err|      top-1     max KL     perplexity (held-out text, vs PyTorch fp32 343.83)
 #   int8         0.190         96.9 %    1.2e-3     343.99 (+4.7e-4)
 #   int4         1.67          69.1 %    5.5e-2     346.69 (+8.3e-3)
-#   (int4 as it is now, asymmetric blocks of 64 with searched ranges and the demo's head at 8 bits where its
-#   error sits (quantize.choose_head_bits): top-1 worst 91.0 % (next 94.5 %), max KL 1.8e-2,
-#   perplexity 344.08 (+7.4e-4); its engine's Q/DQ graph (head int8 per column) 344.65 (+2.4e-3). The
-#   bounds below were kept: they are int4's, and a broken int4 graph still fails them.)
+#   int4 in asymmetric blocks of 64 with searched ranges, the demo's head at 8 bits where its error sits
+#   (quantize.choose_head_bits): top-1 worst 91.0 % (next 94.5 %), max KL 1.8e-2, perplexity 344.08 (+7.4e-4);
+#   its engine's Q/DQ graph (head int8 per column) 344.65 (+2.4e-3). The bounds below hold both forms, and a
+#   broken int4 graph fails them.
 #   (blocks of 64 / 32 until 2026-12-02: int8 0.221, 96.5 %, 8.7e-4, +5.0e-4; int4 1.50, 64.1 %, 2.5e-2,
 #   +6.3e-3. The larger blocks make int4's decode 15-19 % faster: quantize.py.)
 #

@@ -165,8 +165,8 @@ def test_the_default_keeps_openvinos_cache_precision(build_dir):
 
 
 def test_generate_takes_openvino_only_where_the_build_measured_it_faster_in_bf16(tiny_build, tmp_path):
-    """The build races OpenVINO against ONNX Runtime's decode (manifest "cpu_decode"): on andrea-tiny ONNX Runtime
-    wins (OpenVINO's per-step overhead is most of such a step), and `generate` stays on it. A build that
+    """The build races OpenVINO against ONNX Runtime's decode (manifest "cpu_decode") and `generate` follows the
+    record (on andrea-tiny ONNX Runtime wins: OpenVINO's per-step overhead is most of such a step). A build that
     measured OpenVINO faster in bf16 and verified it there gets OpenVINO, said on stderr, with OpenVINO's tokens;
     a record that claims it without the passed check, or with figures that are not numbers, gets ONNX Runtime."""
     from andrea_export.runtime.openvino import check_name
@@ -175,12 +175,15 @@ def test_generate_takes_openvino_only_where_the_build_measured_it_faster_in_bf16
     race = manifest["verification"]["cpu_decode"]
     name = next(iter(manifest["verification"]["runtimes"]))  # openvino-bf16, or openvino-f32 without bf16
     assert set(race["tokens_per_s"]) == {"onnxruntime", name} and all(v > 0 for v in race["tokens_per_s"].values())
-    assert race["faster"] == "onnxruntime" and runtime.default_backend(out) == ("onnxruntime", None)
+    assert race["faster"] == max(race["tokens_per_s"], key=race["tokens_per_s"].get)  # the record, not a timing
+    follows = "openvino" if race["faster"] == check_name("bf16") else "onnxruntime"  # tiny: ONNX Runtime, measured 2.8x
+    assert runtime.default_backend(out)[0] == follows
     if not cpu_has_bf16():
         pytest.skip("this CPU has no bf16 instructions: OpenVINO is never the default here")
     faster = shutil.copytree(out, tmp_path / "faster")
     record = json.loads((faster / "manifest.json").read_text())
-    record["verification"]["cpu_decode"]["faster"] = check_name("bf16")
+    record["verification"]["cpu_decode"].update(faster=check_name("bf16"), tokens_per_s={check_name("bf16"): 2.0,
+                                                                                          "onnxruntime": 1.0})
     (faster / "manifest.json").write_text(json.dumps(record))
     backend, why = runtime.default_backend(faster)
     assert backend == "openvino" and "OpenVINO in bf16" in why and "--backend onnxruntime" in why
