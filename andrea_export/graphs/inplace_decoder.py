@@ -53,7 +53,7 @@ from ..folder.atomic import staging
 from ..names import ATTENTION_MASK, CONFIG_KEY, INPUT_IDS, KV_LAYOUT_KEY, LOGITS, WEIGHTS_KEY
 from ..progress import step
 from .export import OPSET
-from .layout import BATCH, CAPACITY, NEW, WIDTH, KVLayout, check_decoder_onnx
+from .layout import BATCH, NEW, WIDTH, KVLayout, check_decoder_onnx
 
 
 def inplace_layout(layout: KVLayout) -> KVLayout:
@@ -63,15 +63,21 @@ def inplace_layout(layout: KVLayout) -> KVLayout:
 def export_inplace_decoder(model, out: str | Path, *, quiet: bool = False) -> Path:
     """Write `model` (an Andrea, float32) as the in-place decoder graph to `out` and check it; written in a
     temporary folder and moved in when complete. Weights inline (external_data.py shares them later)."""
-    import onnx_ir as ir
-
     from .layout import kv_layout
 
+    layout = inplace_layout(kv_layout(model.cfg))
+    return write_decoder(model, out, layout, GroupQuery(), "in-place KV-cache decoder", quiet=quiet)
+
+
+def write_decoder(model, out: str | Path, layout: KVLayout, attention, what: str, *, quiet: bool = False) -> Path:
+    """Write `model` as a decoder graph whose attention `attention` writes (GroupQuery here; the slot decoder's
+    in slot_decoder.py), with the config, weight source and `layout` in its metadata, to `out`, checked."""
+    import onnx_ir as ir
+
     cfg = model.cfg
-    layout = inplace_layout(kv_layout(cfg))
     out = Path(out)
-    with step(f"Writing the in-place KV-cache decoder of {cfg.name}", quiet):
-        graph = _graph(model, layout)
+    with step(f"Writing the {what} of {cfg.name}", quiet):
+        graph = _graph(model, layout, attention)
         ir_model = ir.Model(graph, ir_version=10, producer_name="andrea-export")
         ir_model.metadata_props.update({
             CONFIG_KEY: json.dumps(cfg.to_dict(), sort_keys=True),
@@ -84,7 +90,37 @@ def export_inplace_decoder(model, out: str | Path, *, quiet: bool = False) -> Pa
     return out
 
 
-def _graph(model, layout: KVLayout):
+class GroupQuery:
+    """Attention as ONNX Runtime's `com.microsoft.GroupQueryAttention` over a buffer of any capacity: it writes
+    the new keys and values at each row's length and reads only the filled part."""
+
+    opsets = {"": OPSET, "com.microsoft": 1}
+    name = "andrea_inplace_decoder"
+
+    def prepare(self, tape, int64, ids, mask, cfg):
+        """What every layer's attention needs from the mask, and the new tokens' positions [B, T]."""
+        import onnx_ir as ir
+
+        # What GroupQueryAttention needs from the mask: each row's last index (tokens held - 1) and the width.
+        one, axis1 = int64("one", [1]), int64("axis_1", [1])
+        held = tape.op("ReduceSum", [mask, axis1], {"keepdims": 0})
+        self.seqlens_k = tape.op("Cast", [tape.op("Sub", [held, one])], {"to": ir.DataType.INT32})
+        width = tape.op("Shape", [mask], {"start": 1, "end": 2})
+        self.total = tape.op("Cast", [tape.op("Squeeze", [width])], {"to": ir.DataType.INT32})
+        # Positions: a token's index among its row's real tokens (as kvcache.py), for the new tokens (last T columns).
+        positions = tape.op("Max", [tape.op("Sub", [tape.op("CumSum", [mask, int64("axis", 1)]), one]), int64("zero", 0)])
+        new = tape.op("Shape", [ids], {"start": 1, "end": 2})
+        return tape.op("Slice", [positions, tape.op("Neg", [new]), int64("end", [np.iinfo(np.int64).max]), axis1])
+
+    def attend(self, tape, int64, q, k, v, past_k, past_v, n_head: int, head_dim: int):
+        """(attention output [B, T, C], present key, present value) of one layer."""
+        return tape.op_multi_out(
+            "GroupQueryAttention", [q, k, v, past_k, past_v, self.seqlens_k, self.total],
+            {"num_heads": n_head, "kv_num_heads": n_head, "scale": 1.0 / float(np.sqrt(head_dim))}, num_outputs=3,
+            domain="com.microsoft")
+
+
+def _graph(model, layout: KVLayout, attention):
     import onnx_ir as ir
 
     cfg = model.cfg
@@ -113,19 +149,9 @@ def _graph(model, layout: KVLayout):
 
     ids = ir.Value(name=INPUT_IDS, shape=ir.Shape([BATCH, NEW]), type=ir.TensorType(ir.DataType.INT64))
     mask = ir.Value(name=ATTENTION_MASK, shape=ir.Shape([BATCH, WIDTH]), type=ir.TensorType(ir.DataType.INT64))
-    kv_shape = ir.Shape([BATCH, H, CAPACITY, D])
+    kv_shape = ir.Shape(list(layout.inputs[2].shape))
     past = [ir.Value(name=n, shape=kv_shape, type=ir.TensorType(ir.DataType.FLOAT)) for n in layout.past_names]
-
-    # What GroupQueryAttention needs from the mask: each row's last index (tokens held - 1) and the width.
-    one, axis1 = int64("one", [1]), int64("axis_1", [1])
-    held = tape.op("ReduceSum", [mask, axis1], {"keepdims": 0})
-    seqlens_k = tape.op("Cast", [tape.op("Sub", [held, one])], {"to": ir.DataType.INT32})
-    width = tape.op("Shape", [mask], {"start": 1, "end": 2})
-    total = tape.op("Cast", [tape.op("Squeeze", [width])], {"to": ir.DataType.INT32})
-    # Positions: a token's index among its row's real tokens (as kvcache.py), for the new tokens (last T columns).
-    positions = tape.op("Max", [tape.op("Sub", [tape.op("CumSum", [mask, int64("axis", 1)]), one]), int64("zero", 0)])
-    new = tape.op("Shape", [ids], {"start": 1, "end": 2})
-    positions = tape.op("Slice", [positions, tape.op("Neg", [new]), int64("end", [np.iinfo(np.int64).max]), axis1])
+    positions = attention.prepare(tape, int64, ids, mask, cfg)
 
     wte = const("wte.weight", weights["wte.weight"])
     tokens, places = tape.op("Gather", [wte, ids]), tape.op("Gather", [vector("wpe.weight"), positions])
@@ -136,9 +162,7 @@ def _graph(model, layout: KVLayout):
         p = f"h.{i}"
         qkv = tape.op("Add", [matmul(h, f"{p}.attn.c_attn"), vector(f"{p}.attn.c_attn.bias")])
         q, k, v = tape.op_multi_out("Split", [qkv, split], {"axis": -1}, num_outputs=3)
-        attn, pk, pv = tape.op_multi_out(
-            "GroupQueryAttention", [q, k, v, past[2 * i], past[2 * i + 1], seqlens_k, total],
-            {"num_heads": H, "kv_num_heads": H, "scale": 1.0 / float(np.sqrt(D))}, num_outputs=3, domain="com.microsoft")
+        attn, pk, pv = attention.attend(tape, int64, q, k, v, past[2 * i], past[2 * i + 1], H, D)
         presents += [pk, pv]
         h, x = add_norm(matmul(attn, f"{p}.attn.c_proj"), x, vector(f"{p}.attn.c_proj.bias"), f"{p}.ln_2")
         hidden = tape.op("Gelu", [tape.op("Add", [matmul(h, f"{p}.mlp.c_fc"), vector(f"{p}.mlp.c_fc.bias")])],
@@ -150,6 +174,6 @@ def _graph(model, layout: KVLayout):
     for value, name in zip(presents, layout.present_names):
         value.name, value.shape, value.type = name, kv_shape, ir.TensorType(ir.DataType.FLOAT)
     if len({init.name for init in tape.initializers}) != len(tape.initializers):
-        raise ExportError("in-place decoder: two initializers share a name")  # a bug here, not in the input
+        raise ExportError("decoder graph: two initializers share a name")  # a bug here, not in the input
     return ir.Graph([ids, mask, *past], [logits, *presents], nodes=tape.nodes, initializers=tape.initializers,
-                    opset_imports={"": OPSET, "com.microsoft": 1}, name="andrea_inplace_decoder")
+                    opset_imports=attention.opsets, name=attention.name)

@@ -34,7 +34,8 @@ LAYOUT_VERSION = 1
 BATCH, NEW, PAST, TOTAL = "batch", "new_tokens", "past_len", "past_len + new_tokens"
 # The in-place decoder's (inplace_decoder.py): the cache buffer's length; the mask's width (longest row).
 CAPACITY, WIDTH = "capacity", "total"
-CACHES = ("concat", "shared")  # a past copied into a longer present each step; one buffer updated in place
+# a past copied into a longer present each step; one buffer updated in place; the same at a fixed n_positions
+CACHES = ("concat", "shared", "static")
 
 
 def past_name(layer: int, kind: str) -> str:
@@ -64,7 +65,8 @@ class KVLayout:
     vocab_size: int
     n_positions: int
     cache_dtype: str = "float32"
-    cache: str = "concat"  # CACHES: "shared" is the in-place decoder (inplace_decoder.py)
+    cache: str = "concat"  # CACHES: "shared" is the in-place decoder (inplace_decoder.py), "static" the slot
+    # decoder (slot_decoder.py), whose buffer is always n_positions long (TensorRT's KV-cache update wants it static)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, cache_dtype: str = "float32") -> KVLayout:
@@ -80,12 +82,23 @@ class KVLayout:
 
     @property
     def shared(self) -> bool:
-        """past and present are one buffer per layer and kind, updated in place (inplace_decoder.py)."""
-        return self.cache == "shared"
+        """past and present are one buffer per layer and kind, updated in place (inplace_decoder.py,
+        slot_decoder.py): the same inputs and outputs, fed the same way."""
+        return self.cache in ("shared", "static")
+
+    @property
+    def static(self) -> bool:
+        """The in-place buffer is exactly n_positions long (slot_decoder.py)."""
+        return self.cache == "static"
+
+    @property
+    def capacity(self) -> int | str:
+        """The in-place buffer's length axis: n_positions when static, else symbolic."""
+        return self.n_positions if self.static else CAPACITY
 
     @property
     def inputs(self) -> list[TensorSpec]:
-        kv = (BATCH, self.n_head, CAPACITY if self.shared else PAST, self.head_dim)
+        kv = (BATCH, self.n_head, self.capacity if self.shared else PAST, self.head_dim)
         mask = (BATCH, WIDTH if self.shared else TOTAL)
         return [TensorSpec(INPUT_IDS, "int64", (BATCH, NEW)), TensorSpec(ATTENTION_MASK, "int64", mask)] + [
             TensorSpec(n, self.cache_dtype, kv) for n in self.past_names
@@ -93,7 +106,7 @@ class KVLayout:
 
     @property
     def outputs(self) -> list[TensorSpec]:
-        kv = (BATCH, self.n_head, CAPACITY if self.shared else TOTAL, self.head_dim)
+        kv = (BATCH, self.n_head, self.capacity if self.shared else TOTAL, self.head_dim)
         return [TensorSpec(LOGITS, "float32", (BATCH, NEW, self.vocab_size))] + [
             TensorSpec(n, self.cache_dtype, kv) for n in self.present_names
         ]

@@ -247,7 +247,8 @@ class _InplaceSteps(Steps):
 
     def __init__(self, owner: OrtSession, capacity: int):
         self.session, self.layout, self.device = owner.session, owner.layout, owner.device
-        self.capacity = min(capacity, self.layout.n_positions)
+        # the slot decoder's buffer is n_positions long by its graph (slot_decoder.py)
+        self.capacity = self.layout.n_positions if self.layout.static else min(capacity, self.layout.n_positions)
         self.buffers: list = []
         self.held = np.zeros(0, dtype=np.int64)
 
@@ -262,8 +263,12 @@ class _InplaceSteps(Steps):
             raise ValueError(f"prefill: {T} tokens do not fit a cache of {self.capacity}")
         shape = [B, self.layout.n_head, self.capacity, self.layout.head_dim]
         dtype = np.dtype(self.layout.cache_dtype)
-        # Never read before written: attention reads only each row's filled part.
+        # GroupQueryAttention reads only each row's filled part: its buffers need not be written first. The slot
+        # decoder's attention reads the whole buffer under a mask, where an unwritten NaN would give 0 * NaN.
         self.buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, *self.device) for _ in self.layout.past_names]
+        if self.layout.static:
+            for buffer in self.buffers:
+                buffer.update_inplace(np.zeros(shape, dtype=dtype))
         self.binding = self.session.io_binding()  # this call's own; the buffers stay bound for all its steps
         for past, present, buffer in zip(self.layout.past_names, self.layout.present_names, self.buffers):
             self.binding.bind_ortvalue_input(past, buffer)

@@ -1,6 +1,7 @@
-"""In-flight batching (runtime/batcher.py) on the lively model's in-place decoder: requests of different prompt
-and output lengths joining and leaving one running batch each get exactly the tokens `generate` gives them
-alone; cancellation, bad requests, a failing step and stopping behave as a service needs."""
+"""In-flight batching (runtime/batcher.py) on the lively model's in-place decoders (GroupQueryAttention, and the
+slot decoder TensorRT takes, on ONNX Runtime): requests of different prompt and output lengths joining and
+leaving one running batch each get exactly the tokens `generate` gives them alone; cancellation, bad requests,
+a failing step and stopping behave as a service needs."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ from andrea_export.runtime import Request
 from andrea_export.runtime.batcher import Batcher, Event
 
 
-@pytest.fixture(scope="module")
-def session(lively_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=["inplace", "slots"])
+def session(request, lively_model, tmp_path_factory):
     from andrea_export.graphs.inplace_decoder import export_inplace_decoder
+    from andrea_export.graphs.slot_decoder import export_slot_decoder
 
-    path = export_inplace_decoder(lively_model, tmp_path_factory.mktemp("inplace") / "decoder.inplace.onnx", quiet=True)
+    export = export_inplace_decoder if request.param == "inplace" else export_slot_decoder
+    path = export(lively_model, tmp_path_factory.mktemp(request.param) / f"decoder.{request.param}.onnx", quiet=True)
     return runtime.load(path, backend="onnxruntime")
 
 
