@@ -195,9 +195,10 @@ def _plan_build(onnx_path: Path, plan_path: Path, builder: str, profiles, opt_le
     graph = _read_graph(onnx_path)
     cfg = _graph_config(graph, onnx_path)
     if not rtx:  # RTX's parser is laxer than TensorRT's: refuse here what TensorRT would refuse on the GPU host
-        from .onnx_rules import check_tensorrt_import
+        from .onnx_rules import check_tensorrt_import, check_tensorrt_version
 
         check_tensorrt_import(onnx_path)
+        check_tensorrt_version(graph, trt.__version__, onnx_path)
     shapes = _profile_shapes(onnx_path, graph, cfg, profiles)
     if opt_level not in OPT_LEVELS:
         raise ConfigError(f"opt_level must be an integer from 0 to 5, got {opt_level!r}")

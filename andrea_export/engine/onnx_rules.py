@@ -4,7 +4,12 @@ Full TensorRT cannot run on these machines, and RTX's parser accepts graphs that
 int8 block dequantization and negative int4 scales, both of which TensorRT rejects). So every graph the
 pipeline hands to full TensorRT is checked against TensorRT's documented rules before the build, and the
 tests run the same check on every such graph. Each rule names the header line it comes from
-(TensorRT's `include/NvInfer.h`, IDequantizeLayer / IQuantizeLayer, v10.9 and v11.1).
+(TensorRT's `include/NvInfer.h`, IDequantizeLayer / IQuantizeLayer, v10.9 and v11.1; onnx-tensorrt's
+`docs/operators.md` for TensorRT 10.15 and the KVCacheUpdate operator page for the slot decoder's two ops).
+
+TensorRT-RTX imports `TensorScatter` and `Attention` with the same importer code, so the parser runs here; what
+these rules add is what it takes without a word: `nonpad_kv_seqlen` dropped, `is_causal` read as upper-left
+(ONNX means lower-right when the lengths differ), and a cache write that is not in place.
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ RULES = {
                    "rooted at an IConstantLayer (i.e. weights)",
     "domain": "onnx-tensorrt imports the standard ONNX domain and registered plugins; com.microsoft contrib ops "
               "(MatMulNBits, GroupQueryAttention) are ONNX Runtime's",
+    "scatter": "operators.md (10.15), TensorScatter: past_cache and update must be 4D, axis must be -2; "
+               "KVCacheUpdate: the cache must be a network input with a static sequence length, the output a "
+               "network output (bound to the same address), mode linear",
+    "attention": "operators.md (10.15), Attention: past_key, past_value and nonpad_kv_seqlen are unsupported "
+                 "(nonpad_kv_seqlen is dropped silently), present_key/present_value/qk_matmul_output outputs are "
+                 "unsupported, Q, K, V and attn_mask must be 4D; is_causal imports as upper-left (ONNX: "
+                 "lower-right when the query is shorter), so a causal mask is given as attn_mask",
 }
+# The first TensorRT whose ONNX parser maps each op onto its layer (NvInfer.h across release branches).
+SINCE = {"Attention": (10, 14), "TensorScatter": (10, 15)}
 
 
 def tensorrt_import_problems(model: onnx.ModelProto) -> list[str]:
@@ -41,7 +55,7 @@ def tensorrt_import_problems(model: onnx.ModelProto) -> list[str]:
     inits = _weights(g)
     constants = {o for n in g.node if n.op_type == "Constant" for o in n.output}
     shapes = {name: list(t.dims) for name, t in inits.items()}
-    problems = []
+    problems = _slot_problems(model)
     for n in g.node:
         where = f"node '{n.name or n.op_type}'"
         if n.domain == "com.microsoft":
@@ -77,6 +91,88 @@ def tensorrt_import_problems(model: onnx.ModelProto) -> list[str]:
         if n.op_type == "DequantizeLinear" and per_channel and x not in inits and x not in constants:
             problems.append(f"{where}: per-channel scales on '{x}', which is not a weight [{RULES['per_channel']}]")
     return problems
+
+
+def required_version(model: onnx.ModelProto) -> tuple[int, int] | None:
+    """The oldest TensorRT whose parser imports every op of `model` that needs a recent one (SINCE), or None."""
+    needed = [SINCE[n.op_type] for n in model.graph.node if n.domain in ("", "ai.onnx") and n.op_type in SINCE]
+    return max(needed) if needed else None
+
+
+def check_tensorrt_version(model: onnx.ModelProto, version: str, source) -> None:
+    """Refuse to build `model` with a TensorRT (`version`, as tensorrt.__version__ says it) older than the ops in it
+    need: the slot decoder's TensorScatter imports from 10.15 on (the batch-1 decoder engine builds on older ones)."""
+    need = required_version(model)
+    try:
+        have = tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise BuildError(f"TensorRT reports the version {version!r}, which is not major.minor...") from None
+    if need is not None and have < need:
+        ops = sorted({n.op_type for n in model.graph.node if n.op_type in SINCE and SINCE[n.op_type] > have})
+        raise BuildError(f"{Path(str(source)).name}: its {', '.join(ops)} import(s) from TensorRT {need[0]}.{need[1]} on, "
+                         f"and this is TensorRT {version}: install tensorrt>={need[0]}.{need[1]} for this engine (the "
+                         "batch-1 decoder engine builds with older ones)")
+
+
+def _slot_problems(model: onnx.ModelProto) -> list[str]:
+    """TensorScatter and Attention as TensorRT maps them (RULES['scatter'], RULES['attention'])."""
+    g = model.graph
+    ops = [n for n in g.node if n.domain in ("", "ai.onnx") and n.op_type in SINCE]
+    if not ops:
+        return []
+    inferred = onnx.shape_inference.infer_shapes(_structure(model)).graph
+    dims = {v.name: [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+            if v.type.tensor_type.HasField("shape") else None
+            for v in [*inferred.input, *inferred.value_info, *inferred.output]}
+    inputs, outputs = {v.name for v in g.input}, {v.name for v in g.output}
+    problems = []
+    for n in ops:
+        where = f"node '{n.name or n.op_type}'"
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in n.attribute}
+        if n.op_type == "TensorScatter":
+            past, update = n.input[0], n.input[1]
+            why = []
+            if attrs.get("axis", -2) != -2:
+                why.append(f"axis {attrs['axis']}")
+            if attrs.get("mode", b"linear") not in (b"linear", "linear"):
+                why.append(f"mode {attrs['mode']!r}")
+            past_dims, update_dims = dims.get(past), dims.get(update)
+            if past_dims is None or update_dims is None or len(past_dims) != 4 or len(update_dims) != 4:
+                why.append("a cache or update that is not 4-D")
+            elif past_dims[2] is None:
+                why.append(f"'{past}' has no static sequence length")
+            if past not in inputs:
+                why.append(f"'{past}' is not a graph input")
+            if n.output[0] not in outputs:
+                why.append(f"'{n.output[0]}' is not a graph output")
+            problems += [f"{where}: {w} [{RULES['scatter']}]" for w in why]
+        else:
+            why = []
+            if len(n.input) > 4 and any(n.input[4:]):
+                why.append("past_key/past_value/nonpad_kv_seqlen inputs")
+            if len(n.output) > 1 and any(n.output[1:]):
+                why.append("present/qk outputs")
+            if any(a in attrs for a in ("softmax_precision", "qk_matmul_output_mode", "softcap")):
+                why.append("attributes TensorRT refuses or ignores")
+            if attrs.get("is_causal"):
+                why.append("is_causal (give the causal mask as attn_mask)")
+            if len(n.input) < 4 or any(not t or len(dims.get(t) or ()) != 4 for t in n.input[:4]):
+                why.append("Q, K, V and attn_mask must all be given, 4-D")
+            problems += [f"{where}: {w} [{RULES['attention']}]" for w in why]
+    return problems
+
+
+def _structure(model: onnx.ModelProto) -> onnx.ModelProto:
+    """`model` without its large weights' bytes: shape inference needs their shapes, and the values only of the
+    small ones (the shapes a Reshape is given)."""
+    light = onnx.ModelProto()
+    light.CopyFrom(model)
+    for t in light.graph.initializer:
+        if int(np.prod(t.dims)) > 1024:
+            for field in ("raw_data", "float_data", "int32_data", "int64_data", "double_data", "external_data"):
+                t.ClearField(field)
+            t.data_location = TensorProto.DEFAULT
+    return light
 
 
 def _weights(g: onnx.GraphProto) -> dict[str, onnx.TensorProto]:

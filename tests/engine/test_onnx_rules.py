@@ -136,7 +136,9 @@ KEEPS = {
 
 
 def test_every_rule_has_a_graph_that_breaks_it_and_one_that_keeps_it():
-    assert set(BREAKS) == set(KEEPS) == set(RULES)
+    # the slot decoder's two: broken by SLOT_BREAKS below, kept by the exported slot graph itself
+    assert set(BREAKS) == set(KEEPS) == set(RULES) - {rule for rule, _, _ in SLOT_BREAKS.values()}
+    assert {rule for rule, _, _ in SLOT_BREAKS.values()} == {"scatter", "attention"}
 
 
 @pytest.mark.parametrize("rule, make, says", [pytest.param(r, make, says, id=f"{r}: {name}")
@@ -179,3 +181,99 @@ def test_every_graph_handed_to_full_tensorrt_passes_its_import_rules(tensorrt_gr
         assert tensorrt_import_problems(onnx.load(str(tmp / name))) == [], (precision, role, name)
     if precision in ("int8", "int4"):  # the ONNX Runtime graphs beside them are what TensorRT must not get
         assert tensorrt_import_problems(onnx.load(str(tmp / artifacts["onnx"])))
+
+
+@pytest.fixture(scope="module")
+def slot_graph(tiny_model, tmp_path_factory):
+    from andrea_export.graphs.slot_decoder import export_slot_decoder
+
+    return onnx.load(str(export_slot_decoder(tiny_model, tmp_path_factory.mktemp("slots") / "d.onnx", quiet=True)))
+
+
+def _edited(model, edit) -> onnx.ModelProto:
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    edit(copy.graph)
+    return copy
+
+
+def _first(g, op_type):
+    return next(n for n in g.node if n.op_type == op_type)
+
+
+def _set(node, **attrs):
+    for name, value in attrs.items():
+        for a in list(node.attribute):
+            if a.name == name:
+                node.attribute.remove(a)
+        node.attribute.append(helper.make_attribute(name, value))
+
+
+def _cast_the_past(g):  # the cache reaches its TensorScatter through a Cast: not the network input itself
+    scatter = _first(g, "TensorScatter")
+    g.node.insert(0, helper.make_node("Identity", [scatter.input[0]], ["copied_past"], name="copy"))
+    scatter.input[0] = "copied_past"
+
+
+def _copy_the_present(g):  # the present output is a copy of the TensorScatter's result
+    scatter = _first(g, "TensorScatter")
+    produced = scatter.output[0]
+    scatter.output[0] = "scattered"
+    for n in g.node:
+        n.input[:] = ["scattered" if i == produced else i for i in n.input]
+    g.node.append(helper.make_node("Identity", ["scattered"], [produced], name="copy"))
+
+
+def _dynamic_cache(g):
+    for v in [*g.input, *g.output]:
+        if v.name.startswith(("past_key_values.", "present.")):
+            v.type.tensor_type.shape.dim[2].dim_param = "capacity"
+
+
+def _nonpad(g):
+    lengths = helper.make_tensor_value_info("lengths", TensorProto.INT64, ["batch"])
+    g.input.append(lengths)
+    node = _first(g, "Attention")
+    node.input.extend(["", "", "lengths"])
+
+
+SLOT_BREAKS = {  # name -> (rule, edit of the exported slot graph, what the problem says)
+    "axis": ("scatter", lambda g: _set(_first(g, "TensorScatter"), axis=2), "axis 2"),
+    "circular": ("scatter", lambda g: _set(_first(g, "TensorScatter"), mode="circular"), "mode"),
+    "past-copied": ("scatter", _cast_the_past, "is not a graph input"),
+    "present-copied": ("scatter", _copy_the_present, "is not a graph output"),
+    "dynamic-cache": ("scatter", _dynamic_cache, "no static sequence length"),
+    "is-causal": ("attention", lambda g: _set(_first(g, "Attention"), is_causal=1), "is_causal"),
+    "softmax-precision": ("attention", lambda g: _set(_first(g, "Attention"), softmax_precision=1),
+                          "attributes TensorRT refuses or ignores"),
+    "nonpad": ("attention", _nonpad, "nonpad_kv_seqlen"),
+    "no-mask": ("attention", lambda g: _first(g, "Attention").input.__setitem__(3, ""), "attn_mask must all be given"),
+}
+
+
+@pytest.mark.parametrize("case", SLOT_BREAKS)
+def test_slot_graph_rules_refuse_what_tensorrt_would_ignore_or_refuse(slot_graph, case):
+    rule, edit, says = SLOT_BREAKS[case]
+    assert tensorrt_import_problems(slot_graph) == []
+    problems = tensorrt_import_problems(_edited(slot_graph, edit))
+    assert problems and says in problems[0] and problems[0].endswith(f"[{RULES[rule]}]"), problems
+
+
+def test_slot_graph_needs_tensorrt_10_15(slot_graph, tiny_onnx):
+    from andrea_export.engine.onnx_rules import required_version
+
+    assert required_version(slot_graph) == (10, 15)
+    assert required_version(onnx.load(str(tiny_onnx), load_external_data=False)) is None
+
+
+@pytest.mark.parametrize("version, refused", [("10.9.0.34", True), ("10.14.1.48", True), ("10.15.0.1", False),
+                                              ("11.1.0.106", False)])
+def test_the_slot_graph_is_refused_by_a_tensorrt_older_than_10_15(slot_graph, version, refused):
+    from andrea_export.engine.onnx_rules import check_tensorrt_version
+
+    if refused:
+        with pytest.raises(BuildError, match=r"d.onnx: its (Attention, )?TensorScatter import\(s\) from TensorRT 10.15 on, and this "
+                                             rf"is TensorRT {version}"):
+            check_tensorrt_version(slot_graph, version, "d.onnx")
+    else:
+        check_tensorrt_version(slot_graph, version, "d.onnx")
