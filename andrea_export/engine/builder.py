@@ -128,6 +128,7 @@ def build_engine(
     b = trt.Builder(logger)
     network, parser = _parse(job, b, logger)  # the parser owns the weights the network points into
     plugin_layers = _plugin_layers(job, network)
+    _allow_decomposed_attention(job, network)
     config = _builder_config(job, b)
     cache = None
     if job.timing_cache is not None:
@@ -289,6 +290,19 @@ def _plugin_layers(job: _Job, network) -> int:
             "as their ONNX function bodies, not as the plugin: it needs TensorRT >= 10.7 with the plugin registered"
         )
     return n
+
+
+def _allow_decomposed_attention(job: _Job, network) -> None:
+    """Let each IAttention (the slot decoder's `Attention`, parsed) fall back to several kernels where TensorRT has
+    no fused one for its shapes and types (fp32 among them): parsed ones are not decomposable, and their build
+    fails ("Attention operation was not supported by a dedicated kernel", TensorRT-RTX 1.7). A fused kernel is
+    still taken where one exists (IAttention::setDecomposable)."""
+    trt = job.trt
+    for i in range(network.num_layers):
+        layer = network.get_layer(i)
+        if layer.type == trt.LayerType.ATTENTION_OUTPUT:
+            layer.__class__ = trt.IAttentionOutputLayer  # the bindings hand out ILayer: cast to reach .attention
+            layer.attention.decomposable = True
 
 
 def _builder_config(job: _Job, b):

@@ -33,11 +33,13 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import ExportError
 from .inplace_decoder import write_decoder
 from .layout import KVLayout
 
 OPSET = 24  # TensorScatter and the 4-D Attention the parsers map to TensorRT's layers
 WRITE_AXIS = -2  # the cache's sequence axis: the only one TensorRT's parser takes
+CHUNK, MIXED = "chunk", "mixed"  # the engine's profiles beside DECODE (slot_profiles)
 
 
 def slot_layout(layout: KVLayout) -> KVLayout:
@@ -84,3 +86,37 @@ class Scatter:
         y = tape.op("Attention", [split_heads(q), *present, self.mask], {"scale": 1.0 / float(np.sqrt(head_dim))})
         merged = tape.op("Reshape", [tape.op("Transpose", [y], {"perm": [0, 2, 1, 3]}), self.merged])
         return merged, present[0], present[1]
+
+
+def slot_profiles(layout: KVLayout, max_slots: int, prefill_chunk: int, two_groups: bool = True) -> list[dict]:
+    """The optimization profiles of a slot decoder engine, as `kvcache.optimization_profiles` gives them
+    ({"name", "shapes": {input: {"min", "opt", "max"}}}, every input named), for the graph of two groups
+    (two_groups.py: decode rows, then `chunk.*`, one prompt's chunk of one row) or of one:
+
+    - `decode`: rows 1..max_slots of one new token each (and, with two groups, a chunk of one token: a pad
+      row, so that every step runs on the one engine and decode steps can be captured per row count);
+    - `mixed` (two groups) or `chunk` (one): one row of 1..prefill_chunk prompt tokens, beside the decode rows.
+
+    The cache is static: [rows, n_head, n_positions, head_dim]; the mask's width is the longest row's tokens,
+    1..n_positions."""
+    from .two_groups import PREFIX
+    from ..names import ATTENTION_MASK, DECODE, INPUT_IDS
+
+    n, H, D = layout.n_positions, layout.n_head, layout.head_dim
+    if not 1 <= max_slots <= 256:
+        raise ExportError(f"slot profiles: max_slots must be in 1..256, got {max_slots}")
+    if not 1 <= prefill_chunk <= n:
+        raise ExportError(f"slot profiles: prefill_chunk must be in 1..{n} (n_positions), got {prefill_chunk}")
+
+    def group(prefix: str, rows: tuple[int, int, int], tokens: tuple[int, int, int]) -> dict:
+        shapes = {prefix + INPUT_IDS: [[r, t] for r, t in zip(rows, tokens)],
+                  prefix + ATTENTION_MASK: [[r, w] for r, w in zip(rows, (tokens[0], max(tokens[1], n // 2), n))]}
+        shapes.update({prefix + name: [[r, H, n, D] for r in rows] for name in layout.past_names})
+        return {k: dict(zip(("min", "opt", "max"), v)) for k, v in shapes.items()}
+
+    decoding = group("", (1, max_slots, max_slots), (1, 1, 1))
+    if not two_groups:
+        return [{"name": DECODE, "shapes": decoding},
+                {"name": CHUNK, "shapes": group("", (1, 1, 1), (1, prefill_chunk, prefill_chunk))}]
+    return [{"name": DECODE, "shapes": {**decoding, **group(PREFIX, (1, 1, 1), (1, 1, 1))}},
+            {"name": MIXED, "shapes": {**decoding, **group(PREFIX, (1, 1, 1), (1, prefill_chunk, prefill_chunk))}}]
