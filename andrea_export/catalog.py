@@ -16,7 +16,7 @@ import enum
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
-from .names import (DECODER_FILE, EVAL_TEXT_FILE, INPLACE_DECODER_FILE, PRECISIONS,
+from .names import (DECODER_FILE, EVAL_TEXT_FILE, INPLACE_DECODER_FILE, PRECISIONS, SLOT_DECODER_FILE,
                     TOKENIZER_CONFIG_FILE, TOKENIZER_FILE, WEIGHT_ONLY, WEIGHTS_FILE)
 
 
@@ -30,6 +30,7 @@ class Role(enum.StrEnum):
     DECODER_ONNX = "decoder_onnx"
     DECODER_ONNX_FP32 = "decoder_onnx_fp32"
     DECODER_ONNX_INPLACE = "decoder_onnx_inplace"
+    DECODER_ONNX_SLOTS = "decoder_onnx_slots"
     DECODER_ONNX_QDQ = "decoder_onnx_qdq"
     DECODER_ONNX_PLUGIN = "decoder_onnx_plugin"
     GENAI_CONFIG = "genai_config"
@@ -103,6 +104,10 @@ _ROWS = (
     Artifact(R.DECODER_ONNX_INPLACE, Kind.GRAPH, INPLACE_DECODER_FILE.replace(".inplace", "{stem}.inplace"),
              "the decoder with its cache updated in place (GroupQueryAttention)", (), ("onnxruntime", "genai",
              "triton-generate", "serve")),
+    Artifact(R.DECODER_ONNX_SLOTS, Kind.GRAPH, SLOT_DECODER_FILE.replace(".slots", "{stem}{qdq}.slots"),
+             "the decoder for in-flight batching on TensorRT >= 10.15: a static slot cache updated in place by "
+             "TensorScatter, standard Attention (an int8/int4 build's weights as DequantizeLinear)", (),
+             ("tensorrt",)),
     Artifact(R.DECODER_ONNX_QDQ, Kind.GRAPH, DECODER_FILE.replace(".onnx", "{stem}.qdq.onnx"), "the weight-only "
              "decoder as DequantizeLinear of its weights", (R.DECODER_ONNX_FP32,), ("tensorrt", "tensorrt-rtx")),
     Artifact(R.DECODER_ONNX_PLUGIN, Kind.GRAPH, DECODER_FILE.replace(".onnx", "{stem}{qdq}.plugin.onnx"),
@@ -171,7 +176,7 @@ def planned(precision: str, builder: str, *, decoder: bool = True, tokenizer: bo
     roles = [R.ONNX, *[R.ONNX_FP32] * lower, *[R.ONNX_QDQ] * weight_only, R.ONNX_PLUGIN]
     if decoder:
         roles += [R.DECODER_ONNX, *[R.DECODER_ONNX_FP32] * lower, *[R.DECODER_ONNX_INPLACE] * (precision != "bf16"),
-                  R.GENAI_CONFIG, *[R.DECODER_ONNX_QDQ] * weight_only, *[R.DECODER_ONNX_PLUGIN] * (builder == "tensorrt")]
+                  R.DECODER_ONNX_SLOTS, R.GENAI_CONFIG, *[R.DECODER_ONNX_QDQ] * weight_only, *[R.DECODER_ONNX_PLUGIN] * (builder == "tensorrt")]
     roles += [R.WEIGHTS, *[R.WEIGHTS_FP32] * lower, *[R.TOKENIZER, R.TOKENIZER_CONFIG] * tokenizer,
               *[R.EVAL_TEXT] * eval_text, R.ENGINE, R.ENGINE_INFO, R.LAYER_REPORT]
     if decoder:

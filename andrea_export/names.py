@@ -16,6 +16,7 @@ PLUGIN_KEY = "andrea.plugin"  # what the plugin graph pass did (graphs/gelu_plug
 
 DECODER_FILE = "decoder.onnx"  # the KV-cache decoder graph's name inside a build folder
 INPLACE_DECODER_FILE = "decoder.inplace.onnx"  # the in-place decoder's (graphs/inplace_decoder.py), fp32
+SLOT_DECODER_FILE = "decoder.slots.onnx"  # the slot decoder's (graphs/slot_decoder.py), fp32
 PREFILL, DECODE = "prefill", "decode"  # the decoder engine's two optimization profiles (graphs/kvcache.optimization_profiles)
 TOKENIZER_FILE = "tokenizer.json"  # a build folder's tokenizer (build --tokenizer), Hugging Face format
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"  # beside it: what transformers and onnxruntime-genai load it as

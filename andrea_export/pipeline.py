@@ -427,6 +427,7 @@ def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int 
         made.add(Role.DECODER_ONNX, fp32)
     if p != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
         _export_inplace_decoder(made, model, head_bits)
+    _export_slot_decoder(made, model, head_bits)
     made.add(Role.GENAI_CONFIG, write_genai_config(made.path(decoder_graph("onnxruntime", made))))
     if p in WEIGHT_ONLY:
         made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, head_bits))
@@ -454,6 +455,25 @@ def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None
             graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision, head_bits)
             fp32.unlink()
     made.add(Role.DECODER_ONNX_INPLACE, graph)
+
+
+def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None) -> None:
+    """The slot decoder (graphs/slot_decoder.py) in the build's precision: converted like the other float graphs,
+    or, for int8/int4, in the Q/DQ form TensorRT imports (it has no MatMulNBits). Its float32 source is not kept."""
+    from .graphs.precision import convert_precision
+    from .graphs.quantize import write_qdq
+    from .graphs.slot_decoder import export_slot_decoder
+    from .names import WEIGHT_ONLY
+
+    p = made.precision
+    with step("Writing the slot decoder (TensorScatter and Attention, for in-flight batching on TensorRT)"):
+        fp32 = _name(made, Role.DECODER_ONNX_SLOTS).with_name(TABLE[Role.DECODER_ONNX_SLOTS].file_name("fp32"))
+        graph = export_slot_decoder(model, fp32, quiet=True)
+        if p != "fp32":
+            convert = write_qdq if p in WEIGHT_ONLY else convert_precision
+            graph = convert(fp32, _name(made, Role.DECODER_ONNX_SLOTS), p, head_bits)
+            fp32.unlink()
+    made.add(Role.DECODER_ONNX_SLOTS, graph)
 
 
 def _share_weights(made: Artifacts) -> None:

@@ -31,6 +31,8 @@ def test_every_role_has_one_row_and_every_row_a_distinct_file():
     ("int4", Role.ONNX_PLUGIN, "model.int4.qdq.plugin.onnx"), ("bf16", Role.ONNX_PLUGIN, "model.bf16.plugin.onnx"),
     ("int8", Role.DECODER_ONNX_QDQ, "decoder.int8.qdq.onnx"), ("fp16", Role.DECODER_ONNX_INPLACE,
                                                               "decoder.fp16.inplace.onnx"),
+    ("fp32", Role.DECODER_ONNX_SLOTS, "decoder.slots.onnx"), ("bf16", Role.DECODER_ONNX_SLOTS, "decoder.bf16.slots.onnx"),
+    ("int4", Role.DECODER_ONNX_SLOTS, "decoder.int4.qdq.slots.onnx"),
     ("fp32", Role.DECODER_ONNX_PLUGIN, "decoder.plugin.onnx"), ("int8", Role.WEIGHTS, "weights.int8.data"),
     ("int8", Role.WEIGHTS_FP32, "weights.fp32.data"), ("fp16", Role.DECODER_ENGINE_INFO, "decoder.plan.json"),
 ])

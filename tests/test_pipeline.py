@@ -21,7 +21,7 @@ def test_build_folder_contract(tiny_build):
     assert manifest == read_manifest(out)
     files = {p.name for p in out.iterdir()}
     assert {"model.onnx", "model.plugin.onnx", "model.plan", "model.plan.json", "verify.json", "build-config.toml",
-            "manifest.json", "decoder.onnx", "decoder.plan", "decoder.plan.json"} <= files
+            "manifest.json", "decoder.onnx", "decoder.plan", "decoder.plan.json", "decoder.slots.onnx"} <= files
     assert not [f for f in files if f.startswith(".")]  # no staging leftovers
     for role, a in manifest["artifacts"].items():
         assert sha256_file(out / a["path"]) == a["sha256"], role
@@ -32,6 +32,15 @@ def test_build_folder_contract(tiny_build):
     assert manifest["profiles"] == [{"input_ids": {"min": [1, 1], "opt": [1, 128], "max": [8, 128]}}]
     assert manifest["plugin"]["id"] == "andrea::TanhGelu" and manifest["plugin"]["calls"] == 2
     assert {"torch", "onnx", "onnxruntime", "polygraphy"} <= set(manifest["environment"]["packages"])
+
+
+def test_the_slot_decoder_is_verified_like_the_other_decoders(tiny_build):
+    out, manifest = tiny_build
+    report = json.loads((out / "verify.json").read_text())["decoder"]
+    slots = report["slots"]
+    assert slots["artifact"] == manifest["artifacts"]["decoder_onnx_slots"]["path"] == "decoder.slots.onnx"
+    assert slots["passed"] and slots["steps"]["passed"] and slots["greedy"]["agree"]
+    assert report["passed"]
 
 
 def _onnx_part(folder) -> int:
@@ -47,7 +56,7 @@ def test_the_graphs_store_the_weights_once(tiny_build):
     assert _onnx_part(out) <= 1.1 * weights, f"{_onnx_part(out)} bytes of ONNX for {weights} bytes of weights"
     artifacts = manifest["artifacts"]
     assert artifacts["weights"]["path"] == "weights.fp32.data" and artifacts["weights"]["bytes"] < 1.01 * weights
-    for role in ("onnx", "onnx_plugin", "decoder_onnx"):
+    for role in ("onnx", "onnx_plugin", "decoder_onnx", "decoder_onnx_slots"):
         assert external_data_files(out / artifacts[role]["path"]) == {"weights.fp32.data": artifacts["weights"]["bytes"]}
 
 

@@ -86,16 +86,19 @@ def _decoder_runner(onnx_path: str | Path, layout, providers: list[str], capacit
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
 
     source, name, run_layout = str(onnx_path), f"onnxrt:{Path(onnx_path).name}", layout
+    twin = None
     if layout.cache_dtype == "bfloat16" and providers == ["CPUExecutionProvider"]:
         import onnx
 
         from ..graphs.precision import emulate_in_fp32
 
-        source, name = emulate_in_fp32(onnx.load(source)).SerializeToString(), name + " (bf16 emulated)"
-        run_layout = dataclasses.replace(layout, cache_dtype="float32")
-    if layout.shared:  # the in-place graph keeps its own cache: run it through the runtime's steps
-        return InplaceRunner(onnx_path, providers, capacity, name), run_layout
-    if read_metadata(onnx_path).get(PRECISION_KEY, "fp32") in WEIGHT_ONLY:  # Q/DQ, computed as TensorRT does
+        source = twin = emulate_in_fp32(onnx.load(source)).SerializeToString()
+        name, run_layout = name + " (bf16 emulated)", dataclasses.replace(layout, cache_dtype="float32")
+    weight_only = read_metadata(onnx_path).get(PRECISION_KEY, "fp32") in WEIGHT_ONLY  # Q/DQ: computed as TensorRT does
+    if layout.shared:  # the in-place graphs keep their own cache: run them through the runtime's steps
+        return InplaceRunner(onnx_path, providers, capacity, name, source=twin, weight_only=weight_only,
+                             cache_dtype=run_layout.cache_dtype), run_layout
+    if weight_only:
         return OnnxrtRunner(weight_only_session(source, providers), name=name), run_layout
     return OnnxrtRunner(SessionFromOnnx(source, providers=providers), name=name), run_layout
 

@@ -45,20 +45,37 @@ def decoder_checks(folder: Path, model, precision: str, artifacts: Mapping, gree
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist(), rng.integers(0, cfg.vocab_size, n // 2).tolist()]
     result = decoder_graph_checks(model, path, precision, prompts, greedy_steps)
     if Role.DECODER_ONNX_QDQ in artifacts:  # the weights the decoder engine gets (quantized for TensorRT)
-        from .agreement import verify_decoder
-        from .thresholds import TOLERANCES
-
         qdq = folder / artifacts[Role.DECODER_ONNX_QDQ]
         with step(f"Verifying the engines' Q/DQ decoder {qdq.name} step by step"):
-            steps = verify_decoder(model, qdq, prompts, steps=8, **TOLERANCES[precision])
-        result["qdq"] = {"artifact": qdq.name, "steps": steps, "passed": steps["passed"]}
-        result["passed"] = result["passed"] and steps["passed"]
+            result["qdq"] = _step_checks(model, qdq, precision, prompts)
+        result["passed"] = result["passed"] and result["qdq"]["passed"]
     if Role.DECODER_ONNX_INPLACE in artifacts:  # the graph ONNX Runtime and genai run: the same checks
         with step("Verifying the in-place KV-cache decoder step by step"):
             result["inplace"] = decoder_graph_checks(model, folder / artifacts[Role.DECODER_ONNX_INPLACE], precision,
                                                       prompts, greedy_steps)
         result["passed"] = result["passed"] and result["inplace"]["passed"]
+    if Role.DECODER_ONNX_SLOTS in artifacts:  # TensorRT's in-flight batching graph, run by ONNX Runtime in its place
+        slots = folder / artifacts[Role.DECODER_ONNX_SLOTS]
+        with step(f"Verifying the slot decoder {slots.name} step by step"):
+            result["slots"] = _slot_checks(model, slots, precision, prompts, greedy_steps)
+        result["passed"] = result["passed"] and result["slots"]["passed"]
     return result
+
+
+def _slot_checks(model, path: Path, precision: str, prompts, greedy_steps: int) -> dict:
+    """The in-place decoders' checks; an int8/int4 slot graph is the Q/DQ form, checked step by step only, as
+    TensorRT computes it (the runtime's greedy decoding would let ONNX Runtime quantize its activations too)."""
+    if precision in WEIGHT_ONLY:
+        return _step_checks(model, path, precision, prompts)
+    return decoder_graph_checks(model, path, precision, prompts, greedy_steps)
+
+
+def _step_checks(model, path: Path, precision: str, prompts) -> dict:
+    from .agreement import verify_decoder
+    from .thresholds import TOLERANCES
+
+    steps = verify_decoder(model, path, prompts, steps=8, **TOLERANCES[precision])
+    return {"artifact": path.name, "steps": steps, "passed": steps["passed"]}
 
 
 def decoder_graph_checks(model, path: Path, precision: str, prompts, greedy_steps: int) -> dict:

@@ -82,11 +82,17 @@ class TorchRunner(BaseRunner):
 class InplaceRunner(BaseRunner):
     """The in-place decoder graph behind the standard decoder's I/O: it keeps its cache in the runtime's
     buffers (the `past_*` fed to it are not read) and returns `present.*` in the standard layout (each row's
-    tokens last, left-padded), so that Polygraphy compares it with the reference like any decoder."""
+    tokens last, left-padded), so that Polygraphy compares it with the reference like any decoder.
 
-    def __init__(self, onnx_path: str | Path, providers: list[str], capacity: int, name: str | None = None):
+    `source`: what ONNX Runtime loads instead of the file (a bf16 graph's float32 twin, as bytes), and `weight_only`:
+    a Q/DQ graph, loaded as weight_only_session does (computed as TensorRT does); the cache's dtype is then
+    `cache_dtype` (the twin's float32)."""
+
+    def __init__(self, onnx_path: str | Path, providers: list[str], capacity: int, name: str | None = None, *,
+                 source: bytes | None = None, weight_only: bool = False, cache_dtype: str | None = None):
         super().__init__(name=name or f"onnxrt:{Path(onnx_path).name}")
         self.onnx_path, self.providers, self.capacity = onnx_path, providers, capacity
+        self.source, self.weight_only, self.cache_dtype = source, weight_only, cache_dtype
         # while active: an OrtSession and the cache steps of the call being compared (Polygraphy activates first)
         self.session: Any = None
         self.steps: Any = None
@@ -96,7 +102,14 @@ class InplaceRunner(BaseRunner):
         from ..runtime.ort import OrtSession
 
         cfg, layout = read_decoder(self.onnx_path)
-        self.session = OrtSession(self.onnx_path, cfg, layout, providers=self.providers)
+        session = None
+        if self.source is not None or self.weight_only:
+            # quiet: a bf16 twin's TensorScatter reads its cache through a Cast, so ONNX Runtime copies it (the
+            # result is the same) and warns of it at every step
+            session = weight_only_session(self.source or str(self.onnx_path), self.providers, quiet=True)
+        if self.cache_dtype:
+            layout = dataclasses.replace(layout, cache_dtype=self.cache_dtype)
+        self.session = OrtSession(self.onnx_path, cfg, layout, providers=self.providers, session=session)
         self.steps = None
 
     def deactivate_impl(self):
@@ -149,7 +162,7 @@ def onnxrt_runner(onnx_path: str | Path, name: str | None = None):
     return OnnxrtRunner(SessionFromOnnx(str(onnx_path), providers=providers), name=name)
 
 
-def weight_only_session(source, providers: list[str]):
+def weight_only_session(source, providers: list[str], quiet: bool = False):
     """An ONNX Runtime session for a weight-only graph (a path or its bytes). ORT rewrites a Q/DQ graph's
     DequantizeLinear -> MatMul into MatMulNBits that quantizes the activations to int8 too (accuracy level 4)
     unless told not to: not what TensorRT computes, so verification turns that off."""
@@ -157,4 +170,6 @@ def weight_only_session(source, providers: list[str]):
 
     options = ort.SessionOptions()
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    if quiet:
+        options.log_severity_level = 3
     return ort.InferenceSession(source, options, providers=providers)

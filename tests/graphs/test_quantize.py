@@ -255,6 +255,10 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
         assert {"top1_agreement", "top5_overlap", "max_kl"} <= set(s)
         assert s["max_kl"] > 0  # quantized: not the fp32 graph under another name
     assert report["decoder"]["passed"] and report["decoder"]["artifact"] == a["decoder_onnx"]
+    # the slot decoder is TensorRT's: the Q/DQ form (no MatMulNBits), checked step by step as TensorRT computes it
+    slots = a["decoder_onnx_slots"]
+    assert slots == f"decoder.{precision}.qdq.slots.onnx" and not matmulnbits(onnx.load(str(out / slots)))
+    assert report["decoder"]["slots"]["artifact"] == slots and report["decoder"]["slots"]["passed"]
     weights = report["engine_weights"]  # each engine against its Q/DQ graph: too small a model to judge by size
     assert set(weights) == {"engine", "decoder_engine"}
     assert weights["engine"]["graph"] == a["onnx_qdq"] and weights["decoder_engine"]["graph"] == a["decoder_onnx_qdq"]

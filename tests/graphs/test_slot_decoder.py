@@ -131,3 +131,20 @@ def test_generate_and_lower_precisions_equal_the_in_place_graph(slots, lively_mo
         b = runtime.load(convert_precision(inplace, tmp_path / f"decoder.{precision}.inplace.onnx", precision), "onnxruntime")
         assert a.layout.static and a.layout.cache_dtype == b.layout.cache_dtype
         assert a.generate(prompts, 16) == b.generate(prompts, 16), precision
+
+
+@pytest.mark.parametrize("precision", ["bf16", "int8"])
+def test_each_form_the_build_writes_passes_step_by_step_verification(slots, lively_model, tmp_path, precision):
+    """bf16 (no ONNX Runtime CPU kernels: its float32 twin, rounded as bf16, through the runtime's steps) and the
+    int8 Q/DQ form TensorRT imports (computed without ONNX Runtime's activation quantization), as a build writes
+    and verifies them (pipeline._export_slot_decoder)."""
+    from andrea_export.graphs.precision import convert_precision
+    from andrea_export.graphs.quantize import write_qdq
+    from andrea_export.verify.agreement import verify_decoder
+    from andrea_export.verify.thresholds import TOLERANCES
+
+    convert = write_qdq if precision == "int8" else convert_precision
+    graph = convert(slots, tmp_path / f"decoder.{precision}.slots.onnx", precision)
+    report = verify_decoder(lively_model, graph, PROMPTS, steps=8, **TOLERANCES[precision])
+    assert report["passed"], report["per_step"]
+    assert all(0 < s["max_abs_logits"] for s in report["per_step"])  # not the fp32 graph under another name
