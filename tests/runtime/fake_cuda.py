@@ -60,6 +60,20 @@ like TensorRT, returns None and says why only through the Logger (TensorRT's own
   the standard TensorRT runtime, trtexec included (NVIDIA/TensorRT samples/python/quickly_deployable_plugins,
   README, "Loading and running a TRT engine containing an AOT plugin").
 
+A slot decoder's engine (graphs/slot_decoder.py: TensorScatter into a static cache, standard Attention) gets
+TensorRT >= 10.15's contracts for its KV-cache-update layers, each stricter where TensorRT is silent:
+
+- write_plan refuses to "build" one with a TensorRT older than 10.15 (no KV-cache-update layer), or whose
+  Attention has inputs or outputs TensorRT's parser ignores or refuses (`past_key`, `past_value`,
+  `nonpad_kv_seqlen`: ignored silently; `present_*`, `qk_matmul_output`: refused) (operators.md, 10.15);
+- `ICudaEngine.get_aliased_input_tensor(output)` names the `past_key_values.*` input each `present.*` is the
+  KV-cache update of (None for other tensors), and only a TensorRT >= 10.15 has the method;
+- `execute_async_v3` fails (an API error in the log) when an aliased output is not bound to its input's address
+  ("If different addresses are assigned, TensorRT reports an API error");
+- a write past the cache's end faults (sticky, like an illegal address) where TensorRT drops it silently;
+- an `is_causal` Attention whose query and key lengths differ fails the enqueue: TensorRT takes it as
+  upper-left, ONNX as lower-right, so the two compute different things there.
+
 The GPU's compute capability is the fake device's (FakeCudart(compute_capability=...), which answers
 cudaDeviceGetAttribute as the runtime does); the installed TensorRT version and the registered plugin creators
 are fake_tensorrt's arguments. The defaults load every plan write_plan writes by default.
@@ -551,12 +565,49 @@ def write_plan(path: str | Path, onnx_path: str | Path, profiles: list[dict], *,
     the plugin creators of its plugin layers ({"name", "namespace", "version", "aot"}; default: the graph's
     plugin calls, AOT, as this project builds them)."""
     assert hardware_compatibility in HARDWARE_COMPATIBILITY, hardware_compatibility
+    _refuse_slot_build(onnx_path, trt_version)
     path = Path(path)
     plugins = graph_plugins(onnx_path) if plugins is None else plugins
     path.write_text(json.dumps({"fake_engine": str(onnx_path), "profiles": profiles, "fail_capture": fail_capture,
                                 "trt_version": trt_version, "compute_capability": compute_capability,
                                 "hardware_compatibility": hardware_compatibility, "plugins": plugins}))
     return path
+
+
+KV_CACHE_UPDATE_SINCE = (10, 15)  # TensorRT's IKVCacheUpdateLayer, and its parser's TensorScatter importer
+ATTENTION_IGNORED = {4: "past_key", 5: "past_value", 6: "nonpad_kv_seqlen"}  # Attention-24's inputs by index
+
+
+def _version(text: str) -> tuple[int, int]:
+    return tuple(int(x) for x in text.split(".")[:2])  # type: ignore[return-value]
+
+
+def _refuse_slot_build(onnx_path, trt_version: str) -> None:
+    """What TensorRT's parser and builder would not build as this graph says, raised (a plan of it cannot exist)."""
+    import onnx
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    for n in graph.node:
+        if n.op_type == "TensorScatter" and _version(trt_version) < KV_CACHE_UPDATE_SINCE:
+            raise ValueError(f"TensorRT {trt_version} has no KV-cache-update layer for '{n.name}' (10.15 on)")
+        if n.op_type == "Attention":
+            given = [name for i, name in ATTENTION_IGNORED.items() if len(n.input) > i and n.input[i]]
+            if given or any(n.output[1:]):
+                raise ValueError(f"'{n.name}': TensorRT ignores or refuses {given or 'present/qk outputs'}")
+
+
+def _slot_probes(model) -> tuple[dict[str, str], list[tuple[str, str, str]], list[tuple[str, str]]]:
+    """A slot graph's KV-cache updates, as ({present output: past input}, [(present, update, write index)]), and its
+    is_causal Attentions' (query, key) tensors: what the engine reports and what its enqueue checks."""
+    inputs, outputs = {v.name for v in model.graph.input}, {v.name for v in model.graph.output}
+    aliases, writes, causal = {}, [], []
+    for n in model.graph.node:
+        if n.op_type == "TensorScatter" and n.input[0] in inputs and n.output[0] in outputs:
+            aliases[n.output[0]] = n.input[0]
+            writes.append((n.output[0], n.input[1], n.input[2]))
+        if n.op_type == "Attention" and any(a.name == "is_causal" and a.i for a in n.attribute):
+            causal.append((n.input[0], n.input[1]))
+    return aliases, writes, causal
 
 
 def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
@@ -574,7 +625,8 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
                    TensorProto.BFLOAT16: DataType.BF16, TensorProto.INT64: DataType.INT64, TensorProto.INT32: DataType.INT32}
 
     class Engine:
-        def __init__(self, spec: dict):
+        def __init__(self, spec: dict, logger):
+            self.logger = logger  # the Runtime's: TensorRT reports an enqueue's API errors through it
             model = onnx.load(spec["fake_engine"])
             self.profiles = spec["profiles"]
             self.fail_capture = spec.get("fail_capture", False)
@@ -589,7 +641,14 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
             if storage := plugin_storage(model):  # what TensorRT builds a plugin call into: the kernel, with its error
                 model = kernel_error_model(model, storage)
             runnable = emulate_in_fp32(model) if self.bf16 else model  # ORT's CPU provider has no bf16 kernels
-            self.ort = ort.InferenceSession(runnable.SerializeToString(), providers=["CPUExecutionProvider"])
+            self.aliases, self.writes, self.causal = _slot_probes(model)
+            # the write indices and updates, and is_causal's query and key, read back beside the outputs: checked
+            self.probes = sorted({t for _, update, index in self.writes for t in (update, index)}
+                                 | {t for pair in self.causal for t in pair})
+            runnable.graph.output.extend(onnx.ValueInfoProto(name=t) for t in self.probes)
+            options = ort.SessionOptions()
+            options.log_severity_level = 3  # TensorScatter's "copying past_cache": fed copies, it cannot write in place
+            self.ort = ort.InferenceSession(runnable.SerializeToString(), options, providers=["CPUExecutionProvider"])
             self.num_io_tensors = len(self.inputs) + len(self.outputs)
             self.num_optimization_profiles = len(self.profiles)
 
@@ -611,6 +670,11 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
 
         def create_execution_context(self):
             return Context(self)
+
+        if _version(version) >= KV_CACHE_UPDATE_SINCE:
+            def get_aliased_input_tensor(self, name):
+                """The input `name` (an output) must share its address with, or None (ICudaEngine, 10.15)."""
+                return self.aliases.get(name)
 
     class Context:
         def __init__(self, engine: Engine):
@@ -652,6 +716,11 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
                 return False  # TensorRT: "not all shapes are specified" / "address is not set"
             if e.fail_capture and cudart._streams[int(stream_handle)] is not None:
                 return False
+            for present, past in e.aliases.items():
+                if self.addresses[present] != self.addresses[past]:
+                    e.logger.log(Logger.ERROR, f"3: [executionContext.cpp] '{present}' and its KV-cache input '{past}' "
+                                               "are bound to different addresses")  # "TensorRT reports an API error"
+                    return False
             shapes, addresses = dict(self.shapes), dict(self.addresses)  # baked into the enqueued work
 
             def tensor(name: str, nbytes: int) -> np.ndarray:
@@ -666,7 +735,23 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
                     dt = numpy_dtype(e.get_tensor_dtype(name))
                     a = tensor(name, int(np.prod(shapes[name])) * dt.itemsize).view(dt).reshape(shapes[name])
                     feed[name] = a.astype(np.float32) if dt == np.dtype(_bf16()) else a.copy()
-                for name, out in zip(e.outputs, e.ort.run(e.outputs, feed)):
+                try:
+                    results = e.ort.run(e.outputs + e.probes, feed)
+                except Exception as err:  # ONNX Runtime refuses the out-of-range write that TensorRT would drop
+                    if "TensorScatter" not in str(err):
+                        raise
+                    raise _Fault(f"past the cache's end: TensorRT would drop the write silently ({err})") from None
+                probe = dict(zip(e.probes, results[len(e.outputs):]))
+                for present, update, index in e.writes:
+                    length, end = probe[update].shape[2], shapes[e.aliases[present]][2]
+                    if (probe[index] + length > end).any():  # TensorRT drops these writes silently
+                        raise _Fault(f"'{present}': rows written from {probe[index].tolist()}, {length} tokens each, "
+                                     f"past the cache's end ({end}): TensorRT would drop them silently")
+                for query, key in e.causal:
+                    if probe[query].shape[-2] != probe[key].shape[-2]:
+                        raise _Fault(f"is_causal Attention with {probe[query].shape[-2]} queries and "
+                                     f"{probe[key].shape[-2]} keys: TensorRT's upper-left mask is not ONNX's")
+                for name, out in zip(e.outputs, results):
                     out = np.ascontiguousarray(out.astype(numpy_dtype(e.get_tensor_dtype(name))))
                     tensor(name, out.nbytes)[...] = out.reshape(-1).view(np.uint8)
 
@@ -736,7 +821,7 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
                 for line in why + ["4: Internal Error (Engine deserialization failed.)"]:
                     self.logger.log(Logger.ERROR, line)
                 return None
-            return Engine(spec)
+            return Engine(spec, self.logger)
 
     return types.SimpleNamespace(
         __name__="tensorrt", __version__=version, get_plugin_registry=lambda: registry,
