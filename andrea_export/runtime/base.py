@@ -43,16 +43,27 @@ PAD_ID = 0  # what padded positions hold; masked out, so any valid id would do
 
 
 class SlotCache(Protocol):
-    """What runtime/batcher.py steps: a fixed set of cache slots, one sequence each (ort.py's OrtSlotCache is the
-    one there is). `run(group, [chunk])` runs a group of slots (first, ids, held), and with it a joining
-    prompt's chunk, and returns their logits."""
+    """What runtime/batcher.py steps: a fixed set of cache slots, one sequence each (ort.py's OrtSlotCache on the
+    CPU, trt_slots.py's TrtSlotCache on a GPU). `run(group, [chunk])` runs a group of slots (first, ids, held),
+    and with it a joining prompt's chunk, and returns their logits."""
 
     layout: KVLayout
     slots: int
+    max_chunk: int  # the most tokens one row of a run may hold (the engine's prefill chunk; n_positions on ORT)
 
     def run(self, group: tuple, chunk: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]: ...
 
     def close(self) -> None: ...
+
+
+def check_apart(a: tuple, b: tuple) -> None:
+    """Two groups of one run may share a slot only where one of them writes a pad past all the other holds:
+    else one would overwrite the other's keys and values."""
+    (fa, ida, ha), (fb, idb, hb) = a, b
+    for slot in set(range(fa, fa + len(ida))) & set(range(fb, fb + len(idb))):
+        held_a, held_b = int(ha[slot - fa]), int(hb[slot - fb])
+        if not (held_a - ida.shape[1] >= held_b or held_b - idb.shape[1] >= held_a):
+            raise ValueError(f"run: slot {slot} is written by both groups (held {held_a} and {held_b})")
 
 
 def check_ids(ids, vocab_size: int, what: str = "prompt") -> list[int]:

@@ -8,7 +8,8 @@
         ...
         ticket.cancel()                                                        # frees its slot at the next step
 
-One engine thread owns a SlotCache (ort.py's OrtSlotCache: the in-place cache, one slot per sequence). Each step:
+One engine thread owns a SlotCache (ort.py's OrtSlotCache on the CPU, trt_slots.py's TrtSlotCache on a GPU: one
+slot per sequence). Each step:
   1. admit waiting requests into free slots (lowest first, so the running slots stay packed at the front);
   2. cancelled requests leave, each with a final event;
   3. one run (the slot cache's two groups, graphs/two_groups.py: every weight read once for both):
@@ -114,7 +115,7 @@ class Batcher:
         self.session = session
         self.cache = session.slot_cache(slots)  # raises for a session without the in-place cache
         self.slots: list[_Slot | None] = [None] * slots
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = min(prefill_chunk, self.cache.max_chunk)  # an engine's profile bounds its chunk
         self._waiting: deque[_Slot] = deque()
         self._wake = threading.Condition()
         self._accepting = True

@@ -30,7 +30,7 @@ from ..errors import InputError
 from ..graphs.layout import KVLayout
 from ..graphs.two_groups import PREFIX as CHUNK
 from ..names import ATTENTION_MASK, INPUT_IDS, LOGITS
-from .base import Session, SlotCache, Steps
+from .base import Session, SlotCache, Steps, check_apart
 
 
 def _providers(requested: list[str] | None, layout: KVLayout, source) -> list[str]:
@@ -144,6 +144,7 @@ class OrtSlotCache:
             raise InputError(f"slots must be an integer in 1..256, got {slots!r}")
         L = owner.layout
         self.owner, self.layout, self.slots = owner, L, slots
+        self.max_chunk = L.n_positions
         self.two_groups = owner._two_group_session()
         shape = (slots, L.n_head, L.n_positions, L.head_dim)
         # Written now, so that the pages are the process's from the start: its memory is known when it
@@ -169,7 +170,7 @@ class OrtSlotCache:
         if chunk is None:
             session.run_with_iobinding(binding)
             return logits, None
-        _check_apart(group, chunk)
+        check_apart(group, chunk)
         chunk_logits = self._bind(binding, CHUNK, *chunk)
         session.run_with_iobinding(binding)
         return logits, chunk_logits
@@ -194,16 +195,6 @@ class OrtSlotCache:
             binding.bind_input(prefix + past, "cpu", 0, dtype, shape, ptr)
             binding.bind_output(prefix + present, "cpu", 0, dtype, shape, ptr)
         return logits
-
-
-def _check_apart(a: tuple, b: tuple) -> None:
-    """Two groups of one run may share a slot only where one of them writes a pad past all the other holds:
-    else one would overwrite the other's keys and values."""
-    (fa, ida, ha), (fb, idb, hb) = a, b
-    for slot in set(range(fa, fa + len(ida))) & set(range(fb, fb + len(idb))):
-        held_a, held_b = int(ha[slot - fa]), int(hb[slot - fb])
-        if not (held_a - ida.shape[1] >= held_b or held_b - idb.shape[1] >= held_a):
-            raise ValueError(f"run: slot {slot} is written by both groups (held {held_a} and {held_b})")
 
 
 class _OrtSteps(Steps):

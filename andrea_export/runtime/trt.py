@@ -215,6 +215,52 @@ def _not_deserialized(trt, cudart, engine_path: Path, info: dict) -> str:
     return f"{head}. {about}. Likely cause: " + "; ".join(causes)
 
 
+def engine_dtypes(trt, engine, layout: KVLayout, source: str, prefixes: tuple[str, ...] = ("",)) -> dict[str, np.dtype]:
+    """Each I/O tensor's numpy dtype from the engine (its tensors named as `layout`'s, once per prefix: the slot
+    engine's two groups); InputError for types or sizes this runtime cannot drive (integer ids and mask,
+    floating logits, one floating type for the whole cache, the cache's [batch, heads, length, head_dim])."""
+    L = layout
+    known = _numpy_dtypes(trt)
+    out = {}
+    for p in prefixes:
+        for t in L.inputs + L.outputs:
+            dt = engine.get_tensor_dtype(p + t.name)
+            if dt not in known:
+                raise InputError(f"{source}: engine tensor '{p + t.name}' has type {dt}, which this runtime cannot drive")
+            out[p + t.name] = known[dt]
+    caches = [p + name for p in prefixes for name in L.past_names + L.present_names]
+    cache = {out[name] for name in caches}
+    floating = np.dtype(np.float32), np.dtype(np.float16), known[trt.DataType.BF16]
+    logits = {out[p + LOGITS] for p in prefixes}
+    if len(cache) != 1 or not cache <= set(floating) or not logits <= set(floating):
+        raise InputError(f"{source}: engine KV cache types {sorted(str(d) for d in cache)} and logits type "
+                         f"{', '.join(sorted(str(d) for d in logits))}: expected one floating type for the cache and "
+                         "floating logits")
+    if not all(out[p + name].kind == "i" for p in prefixes for name in (INPUT_IDS, ATTENTION_MASK)):
+        raise InputError(f"{source}: engine '{INPUT_IDS}' / '{ATTENTION_MASK}' are not integer tensors")
+    for name in caches:  # the sizes behind every buffer and copy
+        shape = tuple(engine.get_tensor_shape(name))
+        if len(shape) != 4 or (shape[1], shape[3]) != (L.n_head, L.head_dim):
+            raise InputError(f"{source}: engine tensor '{name}' has shape {list(shape)}, the model's KV layout "
+                             f"[batch, {L.n_head}, length, {L.head_dim}]")
+    if any(tuple(engine.get_tensor_shape(p + LOGITS))[-1] != L.vocab_size for p in prefixes):
+        raise InputError(f"{source}: engine logits are not over the model's {L.vocab_size} tokens")
+    return out
+
+
+def load_engine(trt, cudart, engine_path: Path):
+    """(runtime, engine) of the plan at `engine_path`: what its sidecar says is checked against this process
+    first, TensorRT's refusal explained from it, a weight-stripped engine refitted from the ONNX beside it."""
+    runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
+    info = _engine_info(engine_path)
+    _check_built_for_here(trt, cudart, engine_path, info)  # what the sidecar can tell, said before TensorRT refuses
+    engine = runtime.deserialize_cuda_engine(engine_path.read_bytes())
+    if engine is None:
+        raise InputError(_not_deserialized(trt, cudart, engine_path, info))
+    _refit_if_stripped(trt, engine, engine_path, info)
+    return runtime, engine
+
+
 def bind(ctx, shapes: dict[str, tuple], addresses: dict[str, int]) -> None:
     """Set input shapes, then tensor addresses, on a TensorRT execution context. TensorRT reports a refusal
     (a shape outside the profile, an unknown name, a misaligned pointer) by returning False, not by raising:
@@ -231,6 +277,24 @@ def enqueue(ctx, stream) -> None:
     """execute_async_v3 on `stream`; False (nothing enqueued) raises."""
     if not ctx.execute_async_v3(stream):
         raise CudaError("TensorRT execute_async_v3 failed (see the log above)")
+
+
+def capture(cudart, stream, work):
+    """The executable CUDA graph of what `work()` puts on `stream` (thread-local capture); CudaError if it cannot
+    be captured (an engine with data-dependent shapes, a pageable copy, ...)."""
+    graph = None
+    try:
+        _ok(cudart, cudart.cudaStreamBeginCapture(stream, cudart.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
+            "cudaStreamBeginCapture")
+        try:
+            work()
+        finally:  # end the capture whatever happened; a failed enqueue still leaves a graph to destroy
+            err, graph = cudart.cudaStreamEndCapture(stream)
+        _ok(cudart, (err,), "cudaStreamEndCapture")
+        return _ok(cudart, cudart.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+    finally:
+        if graph is not None:  # the executable keeps what it needs
+            cudart.cudaGraphDestroy(graph)
 
 
 class TrtSession(SerialSession):
@@ -256,15 +320,9 @@ class TrtSession(SerialSession):
     def _load(self, engine_path: Path, cuda_graph: bool, capture: bool):
         rt, trt, cfg, layout = self.cudart, self.trt, self.cfg, self.layout
         self.cuda_stream = int(_ok(rt, rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreate"))
-        self._runtime = trt.Runtime(trt.Logger(trt.Logger.WARNING))
-        info = _engine_info(engine_path)
-        _check_built_for_here(trt, rt, engine_path, info)  # what the sidecar can tell, said before TensorRT refuses
-        self.engine = self._runtime.deserialize_cuda_engine(engine_path.read_bytes())
-        if self.engine is None:
-            raise InputError(_not_deserialized(trt, rt, engine_path, info))
-        _refit_if_stripped(trt, self.engine, engine_path, info)
+        self._runtime, self.engine = load_engine(trt, rt, engine_path)
         self._check_engine()
-        self.dtypes = self._engine_dtypes()  # tensor name -> numpy dtype, as the engine declares it
+        self.dtypes = engine_dtypes(trt, self.engine, layout, self.source)  # tensor name -> numpy dtype, the engine's
         # the cache's element type is the engine's (fp16/bf16 builds), whatever graph the layout was read from
         self.layout = layout = dataclasses.replace(layout, cache_dtype=self.dtypes[layout.past_names[0]].name)
 
@@ -321,33 +379,6 @@ class TrtSession(SerialSession):
                 f"the runtime needs the prefill and decode profiles (kvcache.optimization_profiles)"
             )
 
-    def _engine_dtypes(self) -> dict[str, np.dtype]:
-        """Each I/O tensor's numpy dtype from the engine; InputError for types or sizes this runtime cannot
-        drive (integer ids and mask, floating logits, one floating type for the whole cache)."""
-        L, engine = self.layout, self.engine
-        known = _numpy_dtypes(self.trt)
-        out = {}
-        for t in L.inputs + L.outputs:
-            dt = engine.get_tensor_dtype(t.name)
-            if dt not in known:
-                raise InputError(f"{self.source}: engine tensor '{t.name}' has type {dt}, which this runtime cannot drive")
-            out[t.name] = known[dt]
-        cache = {out[name] for name in L.past_names + L.present_names}
-        floating = np.dtype(np.float32), np.dtype(np.float16), known[self.trt.DataType.BF16]
-        if len(cache) != 1 or not cache <= set(floating) or out[LOGITS] not in floating:
-            raise InputError(f"{self.source}: engine KV cache types {sorted(str(d) for d in cache)} and logits type "
-                             f"{out[LOGITS]}: expected one floating type for the cache and floating logits")
-        if not all(out[name].kind == "i" for name in (INPUT_IDS, ATTENTION_MASK)):
-            raise InputError(f"{self.source}: engine '{INPUT_IDS}' / '{ATTENTION_MASK}' are not integer tensors")
-        for name in L.past_names + L.present_names:  # the sizes behind every buffer and copy
-            shape = tuple(engine.get_tensor_shape(name))
-            if len(shape) != 4 or (shape[1], shape[3]) != (L.n_head, L.head_dim):
-                raise InputError(f"{self.source}: engine tensor '{name}' has shape {list(shape)}, the model's KV layout "
-                                 f"[batch, {L.n_head}, length, {L.head_dim}]")
-        if tuple(engine.get_tensor_shape(LOGITS))[-1] != L.vocab_size:
-            raise InputError(f"{self.source}: engine logits are not over the model's {L.vocab_size} tokens")
-        return out
-
     def _profile_indices(self) -> dict[str, int]:
         """Which profile is prefill (past max 0, many tokens) and which decode (1 token, long past)."""
         found: dict[str, int] = {}
@@ -397,26 +428,15 @@ class TrtSession(SerialSession):
     def _capture(self):
         """Run the fixed-shape decode step once (TensorRT finishes shape-dependent setup on the first
         enqueue), then capture it as a CUDA graph."""
-        rt, ctx = self.cudart, self.contexts[DECODE]
+        ctx = self.contexts[DECODE]
         self._execute(ctx)
         self._sync()
-        graph = None
         try:
-            _ok(rt, rt.cudaStreamBeginCapture(self.cuda_stream, rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal),
-                "cudaStreamBeginCapture")
-            try:
-                self._execute(ctx)
-            finally:  # end the capture whatever happened; a failed enqueue still leaves a graph to destroy
-                err, graph = rt.cudaStreamEndCapture(self.cuda_stream)
-            _ok(rt, (err,), "cudaStreamEndCapture")
-            self._graph_exec = _ok(rt, rt.cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+            self._graph_exec = capture(self.cudart, self.cuda_stream, lambda: self._execute(ctx))
             self.cuda_graph_active = True
         except CudaError as e:  # e.g. an engine with data-dependent shapes: run the same step uncaptured
             self.cuda_graph_error = str(e)
-            rt.cudaGetLastError()
-        finally:
-            if graph is not None:  # the executable keeps what it needs
-                rt.cudaGraphDestroy(graph)
+            self.cudart.cudaGetLastError()
 
     # -- steps -------------------------------------------------------------------------------------------
     def _prefill(self, ids: list[int]) -> np.ndarray:

@@ -11,7 +11,10 @@ runtime API, for testing `andrea_export.runtime.trt.TrtSession` where there is n
 - copy directions are checked (a HostToDevice copy needs a device destination and a host source, ...);
 - work on a stream that is being captured is recorded, not run; a captured graph replays exactly the
   recorded operations, with the arguments they had when recorded (TensorRT's enqueue included: its tensor
-  shapes and addresses are baked in at capture time); cudaStreamSynchronize, cudaMalloc or cudaMallocHost
+  shapes and addresses are baked in at capture time); a captured enqueue replayed while its context is bound
+  to other shapes or addresses faults (TensorRT is silent there; NVIDIA's TensorRT-Edge-LLM replays a graph only
+  when the context's bindings equal those it was captured with, cpp/runtime/exec/engineExecutor.cpp, and a
+  runtime held to that here holds there); cudaStreamSynchronize, cudaMalloc or cudaMallocHost
   during a thread-local capture fail with cudaErrorStreamCaptureUnsupported and invalidate the capture;
 - a copy to or from pageable host memory (anything cudaMallocHost did not hand out) during a capture fails
   the same way. The runtime API's cudaMemcpyAsync reference said so outright ("It only works on
@@ -71,6 +74,9 @@ TensorRT >= 10.15's contracts for its KV-cache-update layers, each stricter wher
 - `execute_async_v3` fails (an API error in the log) when an aliased output is not bound to its input's address
   ("If different addresses are assigned, TensorRT reports an API error");
 - a write past the cache's end faults (sticky, like an illegal address) where TensorRT drops it silently;
+- an update writes only its new positions (in place: the rest of the cache is never copied back), and two
+  updates of one enqueue (the two groups of a mixed step) writing the same position of one cache row fault,
+  since their order on a GPU is TensorRT's;
 - an `is_causal` Attention whose query and key lengths differ fails the enqueue: TensorRT takes it as
   upper-left, ONNX as lower-right, so the two compute different things there.
 
@@ -610,6 +616,15 @@ def _slot_probes(model) -> tuple[dict[str, str], list[tuple[str, str, str]], lis
     return aliases, writes, causal
 
 
+def _binding_change(shapes: dict, addresses: dict, now_shapes: dict, now_addresses: dict) -> str:
+    """What differs between a context's bindings at capture and now, named."""
+    changed = [f"'{n}' shape {list(shapes.get(n, ()))} -> {list(now_shapes.get(n, ()))}" for n in
+               sorted(set(shapes) | set(now_shapes)) if shapes.get(n) != now_shapes.get(n)]
+    changed += [f"'{n}' address moved" for n in sorted(set(addresses) | set(now_addresses))
+                if addresses.get(n) != now_addresses.get(n)]
+    return ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "")
+
+
 def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
                   plugin_creators: tuple[tuple[str, str, str], ...] = ()) -> types.SimpleNamespace:
     """A `tensorrt` module stand-in whose engines run on `cudart`'s memory and streams, on its GPU. `version`: the
@@ -751,11 +766,41 @@ def fake_tensorrt(cudart: FakeCudart, *, version: str = TRT_VERSION,
                     if probe[query].shape[-2] != probe[key].shape[-2]:
                         raise _Fault(f"is_causal Attention with {probe[query].shape[-2]} queries and "
                                      f"{probe[key].shape[-2]} keys: TensorRT's upper-left mask is not ONNX's")
+                written: dict[int, str] = {}  # the address of each (cache row, position) an update writes -> who
                 for name, out in zip(e.outputs, results):
                     out = np.ascontiguousarray(out.astype(numpy_dtype(e.get_tensor_dtype(name))))
-                    tensor(name, out.nbytes)[...] = out.reshape(-1).view(np.uint8)
+                    if name in e.aliases:
+                        in_place(name, out, probe, written)
+                    else:
+                        tensor(name, out.nbytes)[...] = out.reshape(-1).view(np.uint8)
 
-            return cudart.launch_kernel(stream_handle, kernel, f"enqueue profile {self.profile}")[0] == cudaError_t.cudaSuccess
+            def in_place(name: str, out: np.ndarray, probe: dict, written: dict) -> None:
+                """A KV-cache update writes only its new positions, where its cache lies (an in-place layer:
+                the rest of the cache is not copied back). Two updates of one enqueue that write the same
+                position of one cache row race on a GPU (their order is TensorRT's): that faults here."""
+                update, index = next((u, i) for p, u, i in e.writes if p == name)
+                length, rows, H, C, D = probe[update].shape[2], *out.shape
+                base, item = addresses[name], out.itemsize
+                cache = tensor(name, out.nbytes).view(out.dtype).reshape(out.shape)
+                for b in range(rows):
+                    for p in range(int(probe[index][b]), int(probe[index][b]) + length):
+                        key = base + ((b * H * C) + p) * D * item
+                        if key in written:
+                            raise _Fault(f"'{name}' and '{written[key]}' both write position {p} of one cache row in "
+                                         "one enqueue: the result depends on which of the two runs last")
+                        written[key] = name
+                        cache[b, :, p, :] = out[b, :, p, :]
+
+            work = kernel
+            if cudart._streams[int(stream_handle)] is not None:  # captured: a replay runs with these bindings baked in
+                def work():
+                    if (self.shapes, self.addresses) != (shapes, addresses):
+                        raise _Fault(f"a captured enqueue replayed while its context is bound to other shapes or "
+                                     f"addresses ({_binding_change(shapes, addresses, self.shapes, self.addresses)}): "
+                                     "bind the context as it was at capture before each replay")
+                    kernel()
+
+            return cudart.launch_kernel(stream_handle, work, f"enqueue profile {self.profile}")[0] == cudaError_t.cudaSuccess
 
     class Logger:
         """trt.Logger: prints what reaches its severity to stderr ("[TRT] [E] ..."), and keeps every message."""
