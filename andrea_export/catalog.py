@@ -31,6 +31,7 @@ class Role(enum.StrEnum):
     DECODER_ONNX_FP32 = "decoder_onnx_fp32"
     DECODER_ONNX_INPLACE = "decoder_onnx_inplace"
     DECODER_ONNX_SLOTS = "decoder_onnx_slots"
+    SLOT_ENGINE_ONNX = "slot_engine_onnx"
     DECODER_ONNX_QDQ = "decoder_onnx_qdq"
     DECODER_ONNX_PLUGIN = "decoder_onnx_plugin"
     GENAI_CONFIG = "genai_config"
@@ -45,6 +46,9 @@ class Role(enum.StrEnum):
     DECODER_ENGINE = "decoder_engine"
     DECODER_ENGINE_INFO = "decoder_engine_info"
     DECODER_LAYER_REPORT = "decoder_layer_report"
+    SLOT_ENGINE = "slot_engine"
+    SLOT_ENGINE_INFO = "slot_engine_info"
+    SLOT_LAYER_REPORT = "slot_layer_report"
     VERIFY_REPORT = "verify_report"
 
 
@@ -108,6 +112,10 @@ _ROWS = (
              "the decoder for in-flight batching on TensorRT >= 10.15: a static slot cache updated in place by "
              "TensorScatter, standard Attention (an int8/int4 build's weights as DequantizeLinear)", (),
              ("tensorrt",)),
+    Artifact(R.SLOT_ENGINE_ONNX, Kind.GRAPH, SLOT_DECODER_FILE.replace(".slots", "{stem}{qdq}.slots.two"),
+             "the slot decoder with a second group of inputs (graphs/two_groups.py: a prompt's chunk beside the "
+             "decoding rows, each weight read once for both): the slot engine's graph", (R.DECODER_ONNX_SLOTS,),
+             ("tensorrt",)),
     Artifact(R.DECODER_ONNX_QDQ, Kind.GRAPH, DECODER_FILE.replace(".onnx", "{stem}.qdq.onnx"), "the weight-only "
              "decoder as DequantizeLinear of its weights", (R.DECODER_ONNX_FP32,), ("tensorrt", "tensorrt-rtx")),
     Artifact(R.DECODER_ONNX_PLUGIN, Kind.GRAPH, DECODER_FILE.replace(".onnx", "{stem}{qdq}.plugin.onnx"),
@@ -134,21 +142,31 @@ _ROWS = (
              (R.DECODER_ENGINE,), ("runtime", "triton")),
     Artifact(R.DECODER_LAYER_REPORT, Kind.SIDECAR, "decoder.layers.json", "the decoder engine's layers",
              (R.DECODER_ENGINE,), ()),
+    Artifact(R.SLOT_ENGINE, Kind.ENGINE, "decoder.slots.plan", "the in-flight batching engine (profiles: decode "
+             "rows, and a prompt's chunk beside them; TensorRT >= 10.15)", (R.SLOT_ENGINE_ONNX,), ("tensorrt", "serve")),
+    Artifact(R.SLOT_ENGINE_INFO, Kind.SIDECAR, "decoder.slots.plan.json", "what built the slot engine",
+             (R.SLOT_ENGINE,), ("runtime",)),
+    Artifact(R.SLOT_LAYER_REPORT, Kind.SIDECAR, "decoder.slots.layers.json", "the slot engine's layers",
+             (R.SLOT_ENGINE,), ()),
     Artifact(R.VERIFY_REPORT, Kind.REPORT, "verify.json", "Polygraphy's verdict per artifact", (), ("inspect",)),
 )
 TABLE: Mapping[Role, Artifact] = {a.role: a for a in _ROWS}
 _VALUES = {r.value for r in Role}
-ENGINES = (R.ENGINE, R.DECODER_ENGINE)
-SIDECARS = {R.ENGINE: (R.ENGINE_INFO, R.LAYER_REPORT), R.DECODER_ENGINE: (R.DECODER_ENGINE_INFO, R.DECODER_LAYER_REPORT)}
+ENGINES = (R.ENGINE, R.DECODER_ENGINE, R.SLOT_ENGINE)
+SIDECARS = {R.ENGINE: (R.ENGINE_INFO, R.LAYER_REPORT), R.DECODER_ENGINE: (R.DECODER_ENGINE_INFO, R.DECODER_LAYER_REPORT),
+            R.SLOT_ENGINE: (R.SLOT_ENGINE_INFO, R.SLOT_LAYER_REPORT)}
 
 
 def engine_source(engine: Role, builder: str, precision: str) -> Role:
     """The graph `engine` (Role.ENGINE or Role.DECODER_ENGINE) is built from. TensorRT builds the plugin graphs
     (our kernel in the engine); TensorRT-RTX, which has no plugin layers, the standard ones (native GELU); the
-    weight-only precisions give both their Q/DQ form (TensorRT imports no MatMulNBits)."""
+    weight-only precisions give both their Q/DQ form (TensorRT imports no MatMulNBits). The slot engine is
+    built from its two-group graph by either builder (standard ops, native GELU: no plugin form of it yet)."""
     decoder = engine == R.DECODER_ENGINE
     if engine not in ENGINES:
         raise ValueError(f"{engine!r} is not an engine")
+    if engine == R.SLOT_ENGINE:
+        return R.SLOT_ENGINE_ONNX
     if builder == "tensorrt":
         return R.DECODER_ONNX_PLUGIN if decoder else R.ONNX_PLUGIN
     if precision in WEIGHT_ONLY:
@@ -169,18 +187,21 @@ def decoder_graph(backend: str, have: Iterable[str]) -> Role:
 
 
 def planned(precision: str, builder: str, *, decoder: bool = True, tokenizer: bool = False,
-            eval_text: bool = False) -> tuple[Role, ...]:
+            eval_text: bool = False, slot_engine: bool = False) -> tuple[Role, ...]:
     """The roles a build with these options writes (the layer reports only where the builder writes one),
-    in the order the pipeline makes them."""
+    in the order the pipeline makes them; `slot_engine`: the in-flight batching engine too (decoder builds)."""
+    slot_engine = slot_engine and decoder
     lower, weight_only = precision != "fp32", precision in WEIGHT_ONLY
     roles = [R.ONNX, *[R.ONNX_FP32] * lower, *[R.ONNX_QDQ] * weight_only, R.ONNX_PLUGIN]
     if decoder:
         roles += [R.DECODER_ONNX, *[R.DECODER_ONNX_FP32] * lower, *[R.DECODER_ONNX_INPLACE] * (precision != "bf16"),
-                  R.DECODER_ONNX_SLOTS, R.GENAI_CONFIG, *[R.DECODER_ONNX_QDQ] * weight_only, *[R.DECODER_ONNX_PLUGIN] * (builder == "tensorrt")]
+                  R.DECODER_ONNX_SLOTS, *[R.SLOT_ENGINE_ONNX] * slot_engine, R.GENAI_CONFIG, *[R.DECODER_ONNX_QDQ] * weight_only, *[R.DECODER_ONNX_PLUGIN] * (builder == "tensorrt")]
     roles += [R.WEIGHTS, *[R.WEIGHTS_FP32] * lower, *[R.TOKENIZER, R.TOKENIZER_CONFIG] * tokenizer,
               *[R.EVAL_TEXT] * eval_text, R.ENGINE, R.ENGINE_INFO, R.LAYER_REPORT]
     if decoder:
         roles += [R.DECODER_ENGINE, R.DECODER_ENGINE_INFO, R.DECODER_LAYER_REPORT]
+    if slot_engine:
+        roles += [R.SLOT_ENGINE, R.SLOT_ENGINE_INFO, R.SLOT_LAYER_REPORT]
     return (*roles, R.VERIFY_REPORT)
 
 

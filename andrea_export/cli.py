@@ -14,7 +14,7 @@ import click
 from . import __version__
 from .errors import AndreaExportError, ConfigError
 from .deploy.gguf import GGUF_TYPES
-from .names import MAX_SEED
+from .names import MAX_SEED, MAX_SLOTS
 from .pipeline import MAX_WORKSPACE_MB
 
 
@@ -259,6 +259,9 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
 @click.option("--decoder/--no-decoder", default=None,
               help="Also build the KV-cache decoder graph and its engine (prefill + decode profiles), which "
                    "`generate` and production runtimes use. [default: yes]")
+@click.option("--max-slots", type=click.IntRange(0, MAX_SLOTS), default=None,
+              help="Also build the in-flight batching engine (decoder.slots.plan, TensorRT >= 10.15) for up to this "
+                   "many streams decoding at once; serve runs it on a GPU host. 0: none. [default: 0]")
 @click.option("--strip-weights/--no-strip-weights", default=None,
               help="Weight-stripped engines for shipping beside the ONNX weights, refitted from them at load "
                    "(full TensorRT on a GPU host only; TensorRT-RTX's CPU builder rejects it). [default: no]")
@@ -271,7 +274,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
 @click.option("--force", is_flag=True, help="Replace a folder that holds another build.")
 @_user_errors
 def build(build_config, checkpoint, config, seed, precision, builder, profiles, opt_level, workspace_mb,
-          compute_capabilities, timing_cache, fuse_bias, decoder, strip_weights, tokenizer, eval_text, out,
+          compute_capabilities, timing_cache, fuse_bias, decoder, max_slots, strip_weights, tokenizer, eval_text, out,
           force):
     """Checkpoint -> ONNX -> plugin graph -> TensorRT engine -> Polygraphy verification -> build folder.
 
@@ -284,6 +287,8 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
       model.layers.json     the engine's layer report, where the builder can produce one
       decoder.onnx          the KV-cache decoder graph; decoder.plan its engine (profiles: prefill, decode)
       decoder.inplace.onnx  the decoder ONNX Runtime and onnxruntime-genai run: its cache written in place
+      decoder.slots.onnx    the same in standard ops over a static cache (TensorRT's in-flight batching);
+                            with --max-slots N, decoder.slots.plan: its engine, which serve runs on a GPU
       *.<int8|int4>.qdq.onnx int8/int4: the engines' graphs (Q/DQ), beside ONNX Runtime's MatMulNBits ones
       tokenizer.json        with --tokenizer; eval.txt with --eval-text (perplexity in verify.json)
       verify.json           Polygraphy's verdict per artifact and input shape, LM figures
@@ -297,7 +302,8 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
     overrides = dict(checkpoint=str(checkpoint) if checkpoint else None, config=config, seed=seed,
                      precision=precision, builder=builder, profiles=profiles, opt_level=opt_level,
                      workspace_mb=workspace_mb, compute_capabilities=list(compute_capabilities) or None,
-                     timing_cache=timing_cache, fuse_bias=fuse_bias, decoder=decoder, strip_weights=strip_weights,
+                     timing_cache=timing_cache, fuse_bias=fuse_bias, decoder=decoder, max_slots=max_slots,
+                     strip_weights=strip_weights,
                      tokenizer=tokenizer, eval_text=eval_text, out=out)
     if build_config:
         opts = BuildOptions.from_toml(build_config, **overrides)

@@ -28,3 +28,6 @@ WEIGHT_ONLY = ("int8", "int4")  # float32 activations, MatMulNBits weights (grap
 PRECISIONS = (*FLOAT_PRECISIONS, *WEIGHT_ONLY)
 BUILDERS = ("tensorrt", "tensorrt-rtx")  # engine builders (engine/backends.py)
 MAX_SEED = 2**63 - 1  # every seed we take: torch's generator refuses more than 64 bits, and JSON readers int64
+
+MAX_SLOTS = 256  # the most decoding rows a slot engine's profiles hold (graphs/slot_decoder.py's slot_profiles)
+PREFILL_CHUNK = 64  # the batcher's default prompt tokens per step, and what a built slot engine's mixed step takes

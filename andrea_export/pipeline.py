@@ -25,7 +25,7 @@ from .config import PRESETS, load_config
 from .errors import AndreaExportError, BuildError, ConfigError
 from .folder.atomic import locked_folder, sha256_file, update_folder, write_text_atomic
 from .folder.reader import MANIFEST, SCHEMA_VERSION, changed_artifacts, read_engine_info, read_manifest
-from .names import INPUT_IDS, MAX_SEED
+from .names import INPUT_IDS, MAX_SEED, MAX_SLOTS
 from .progress import console, step, styled, warn
 from .userfiles import MAX_CONFIG_BYTES, read_text
 
@@ -51,6 +51,7 @@ class BuildOptions:
     timing_cache: str | None = None  # default: <out>/timing.cache, reused by later builds into the same folder
     fuse_bias: bool = False  # plugin graph: fold the MLP bias Add into the plugin (TanhGeluBias)
     decoder: bool = True  # also the KV-cache decoder graph and its engine (prefill + decode profiles)
+    max_slots: int = 0  # > 0: also the in-flight batching engine, for up to this many decoding rows (TensorRT >= 10.15)
     strip_weights: bool = False  # TensorRT (GPU host) only: weight-stripped engines, refitted from the ONNX at load
     verify_shapes: list[list[int]] | None = None  # [[batch, seq], ...]; default: verify.default_shapes
     greedy_steps: int = 32
@@ -115,6 +116,11 @@ class BuildOptions:
             bad("opt_level", "an integer from 0 to 5")
         if self.workspace_mb is not None and (not is_int(self.workspace_mb) or not 1 <= self.workspace_mb <= MAX_WORKSPACE_MB):
             bad("workspace_mb", f"a positive integer (MiB), at most {MAX_WORKSPACE_MB:,}")
+        if not is_int(self.max_slots) or not 0 <= self.max_slots <= MAX_SLOTS:
+            bad("max_slots", f"an integer in 0..{MAX_SLOTS} (0: no slot engine)")
+        if self.max_slots and not self.decoder:
+            raise ConfigError("--max-slots builds the decoder's in-flight batching engine: it needs the decoder "
+                              "(drop --no-decoder)")
         if not is_int(self.greedy_steps) or self.greedy_steps < 0:
             bad("greedy_steps", "an integer >= 0")
         if self.verify_shapes is not None and not (
@@ -185,6 +191,8 @@ def run_build(opts: BuildOptions, force: bool = False) -> dict:
     builder = resolve_builder(opts.builder)  # says what to install when there is no builder at all
     check_targets(builder, opts.compute_capabilities, opts.precision)
     _check_engine_gate_dependencies()
+    if opts.max_slots:
+        _check_slot_engine_builder(builder)
     if opts.strip_weights and builder == "tensorrt-rtx":
         from .engine.refit import STRIP_REFUSED_RTX
 
@@ -243,6 +251,23 @@ def check_build_memory(cfg, available: int | None = None) -> None:
         raise ConfigError(f"model config '{cfg.name}': {cfg.n_params:,} parameters; building it takes about "
                           f"{need / 1e9:.1f} GB of memory at its peak, and this machine has {free / 1e9:.1f} GB "
                           "available: build it on a machine with more memory, or a smaller model")
+
+
+def _check_slot_engine_builder(builder: str) -> None:
+    """--max-slots with a TensorRT older than the slot decoder's ops need (TensorScatter: 10.15) is refused now,
+    not after minutes of exporting; the batch-1 decoder engine still builds there without it."""
+    if builder != "tensorrt":  # TensorRT-RTX parses and builds the slot decoder (tests/engine/test_slot_engine.py)
+        return
+    from .engine.backends import trt_module
+    from .engine.onnx_rules import SINCE, parse_version
+
+    version = str(getattr(trt_module(builder), "__version__", "?"))
+    need = SINCE["TensorScatter"]
+    if parse_version(version) < need:
+        raise ConfigError(f"--max-slots builds the in-flight batching engine, whose KV-cache updates (TensorScatter) "
+                          f"TensorRT imports from {need[0]}.{need[1]} on; this is TensorRT {version}: install "
+                          f"tensorrt>={need[0]}.{need[1]}, or build without --max-slots (the batch-1 decoder engine "
+                          "builds with this one)")
 
 
 def _check_engine_gate_dependencies() -> None:
@@ -329,6 +354,14 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     result = _build_engine(made, Role.ENGINE, opts, builder, profiles, timing_cache)
     if opts.decoder:  # two optimization profiles: prefill (no past) and decode (one token)
         _build_engine(made, Role.DECODER_ENGINE, opts, builder, optimization_profiles(model.cfg), timing_cache)
+    if opts.max_slots:  # decode rows, and a prompt's chunk beside them (graphs/slot_decoder.py)
+        from .graphs.layout import read_kv_layout
+        from .graphs.slot_decoder import slot_profiles
+        from .names import PREFILL_CHUNK
+
+        chunk = min(PREFILL_CHUNK, model.cfg.n_positions)
+        _build_engine(made, Role.SLOT_ENGINE, opts, builder,
+                      slot_profiles(read_kv_layout(made.path(Role.DECODER_ONNX_SLOTS)), opts.max_slots, chunk), timing_cache)
     report = verify_folder(tmp, model, opts.precision, made, result.to_dict(), opts.verify_shapes,
                            opts.greedy_steps, evaluation)
     made.add(Role.VERIFY_REPORT, report.save(tmp / TABLE[Role.VERIFY_REPORT].file_name(opts.precision)))
@@ -427,7 +460,7 @@ def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int 
         made.add(Role.DECODER_ONNX, fp32)
     if p != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
         _export_inplace_decoder(made, model, head_bits)
-    _export_slot_decoder(made, model, head_bits)
+    _export_slot_decoder(made, model, head_bits, two_groups=opts.max_slots > 0)
     made.add(Role.GENAI_CONFIG, write_genai_config(made.path(decoder_graph("onnxruntime", made))))
     if p in WEIGHT_ONLY:
         made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, head_bits))
@@ -457,9 +490,10 @@ def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None
     made.add(Role.DECODER_ONNX_INPLACE, graph)
 
 
-def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None) -> None:
+def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None, two_groups: bool = False) -> None:
     """The slot decoder (graphs/slot_decoder.py) in the build's precision: converted like the other float graphs,
-    or, for int8/int4, in the Q/DQ form TensorRT imports (it has no MatMulNBits). Its float32 source is not kept."""
+    or, for int8/int4, in the Q/DQ form TensorRT imports (it has no MatMulNBits). Its float32 source is not kept.
+    `two_groups`: also its two-group form (graphs/two_groups.py), the slot engine's graph."""
     from .graphs.precision import convert_precision
     from .graphs.quantize import write_qdq
     from .graphs.slot_decoder import export_slot_decoder
@@ -474,6 +508,14 @@ def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None) -
             graph = convert(fp32, _name(made, Role.DECODER_ONNX_SLOTS), p, head_bits)
             fp32.unlink()
     made.add(Role.DECODER_ONNX_SLOTS, graph)
+    if two_groups:
+        import onnx_ir as ir
+
+        from .graphs.two_groups import two_group_decoder
+
+        with step("Writing its two-group form, the slot engine's graph (decoding rows and a prompt's chunk in one run)"):
+            ir.save(two_group_decoder(ir.load(graph)), _name(made, Role.SLOT_ENGINE_ONNX))
+        made.add(Role.SLOT_ENGINE_ONNX, _name(made, Role.SLOT_ENGINE_ONNX))
 
 
 def _share_weights(made: Artifacts) -> None:
@@ -540,7 +582,8 @@ def verify_build(folder: str | Path, checkpoint: str | Path | None = None, shape
         model = model_for(m["weights"], cfg, checkpoint, what=str(folder), command=verify_command(m, folder))
         made = Artifacts.of_manifest(folder, m)
         needed = [Role.ONNX, Role.ONNX_PLUGIN, Role.ENGINE, Role.ENGINE_INFO] + (
-            [Role.DECODER_ENGINE_INFO] if Role.DECODER_ENGINE in made else [])
+            [Role.DECODER_ENGINE_INFO] if Role.DECODER_ENGINE in made else []) + (
+            [Role.DECODER_ONNX_SLOTS, Role.SLOT_ENGINE_INFO] if Role.SLOT_ENGINE in made else [])
         if missing := [r for r in needed if r not in made]:
             raise BuildError(f"{folder / MANIFEST}: no {', '.join(repr(r.value) for r in missing)} artifact: not a build "
                              "this andrea-export can verify")

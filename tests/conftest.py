@@ -137,6 +137,7 @@ HEAVY_TESTS = {  # node ids without their parameters
     "tests/runtime/test_runtime_trt_fake.py::test_close_lets_go_of_the_engine_and_a_forgotten_session_frees_its_memory",
     "tests/model/test_gpt2.py::test_save_pretrained_folder_builds_and_matches_hugging_face",
     "tests/test_pipeline.py::test_bf16_build_perplexity_within_one_percent",
+    "tests/engine/test_slot_engine.py::test_a_build_with_max_slots_writes_the_slot_engine_and_its_graph",
     # each runs a build of its own (the tiny model, engines included), or the benchmark's command line
     "tests/test_pipeline.py::test_fp16_build_without_decoder",
     "tests/deploy/test_gguf.py::test_the_tokenizer_is_llama_cpps_gpt2_vocabulary",

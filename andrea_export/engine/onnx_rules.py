@@ -99,14 +99,19 @@ def required_version(model: onnx.ModelProto) -> tuple[int, int] | None:
     return max(needed) if needed else None
 
 
+def parse_version(version: str) -> tuple[int, ...]:
+    """(major, minor) of a TensorRT version as tensorrt.__version__ gives it; BuildError if it is not one."""
+    try:
+        return tuple(int(part) for part in version.split(".")[:2])
+    except ValueError:
+        raise BuildError(f"TensorRT reports the version {version!r}, which is not major.minor...") from None
+
+
 def check_tensorrt_version(model: onnx.ModelProto, version: str, source) -> None:
     """Refuse to build `model` with a TensorRT (`version`, as tensorrt.__version__ says it) older than the ops in it
     need: the slot decoder's TensorScatter imports from 10.15 on (the batch-1 decoder engine builds on older ones)."""
     need = required_version(model)
-    try:
-        have = tuple(int(part) for part in version.split(".")[:2])
-    except ValueError:
-        raise BuildError(f"TensorRT reports the version {version!r}, which is not major.minor...") from None
+    have = parse_version(version)
     if need is not None and have < need:
         ops = sorted({n.op_type for n in model.graph.node if n.op_type in SINCE and SINCE[n.op_type] > have})
         raise BuildError(f"{Path(str(source)).name}: its {', '.join(ops)} import(s) from TensorRT {need[0]}.{need[1]} on, "

@@ -35,6 +35,7 @@ import numpy as np
 
 from ..errors import ExportError
 from .inplace_decoder import write_decoder
+from ..names import MAX_SLOTS
 from .layout import KVLayout
 
 OPSET = 24  # TensorScatter and the 4-D Attention the parsers map to TensorRT's layers
@@ -103,8 +104,8 @@ def slot_profiles(layout: KVLayout, max_slots: int, prefill_chunk: int, two_grou
     from ..names import ATTENTION_MASK, DECODE, INPUT_IDS
 
     n, H, D = layout.n_positions, layout.n_head, layout.head_dim
-    if not 1 <= max_slots <= 256:
-        raise ExportError(f"slot profiles: max_slots must be in 1..256, got {max_slots}")
+    if not 1 <= max_slots <= MAX_SLOTS:
+        raise ExportError(f"slot profiles: max_slots must be in 1..{MAX_SLOTS}, got {max_slots}")
     if not 1 <= prefill_chunk <= n:
         raise ExportError(f"slot profiles: prefill_chunk must be in 1..{n} (n_positions), got {prefill_chunk}")
 

@@ -44,6 +44,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from ..names import PREFILL_CHUNK
 from .base import PAD_ID, CheckedRequest, Request, Session
 from .sampling import next_token
 
@@ -102,7 +103,7 @@ class Batcher:
     "in-flight" (a request joins at the next step) or "whole" (requests join only an idle batch, which then
     runs until its last request ends: batching of whole requests, as a dynamic batcher does, for comparison)."""
 
-    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = 64, admit: str = "in-flight",
+    def __init__(self, session: Session, slots: int = 8, prefill_chunk: int = PREFILL_CHUNK, admit: str = "in-flight",
                  step_tokens: int | None = None, on_admit: Callable[[float], None] | None = None):
         for name, value in (("prefill_chunk", prefill_chunk), ("step_tokens", 1 if step_tokens is None else step_tokens)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

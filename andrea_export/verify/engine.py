@@ -63,6 +63,42 @@ def engine_checks(folder: Path, model, artifacts: Mapping, steps: int, precision
     return {"passed": all(r["passed"] for r in paths.values()), "paths": paths}
 
 
+def slot_engine_checks(folder: Path, model, artifacts: Mapping, steps: int, precision: str) -> dict:
+    """The slot engine through the runtime's TrtSlotSession against PyTorch, captured and not: greedy decoding of
+    an 8-token prompt (a chunk, then decode steps), as engine_checks; and in-flight batching itself: four requests
+    of different lengths through the Batcher at once (chunks joining below and above decoding rows), each
+    request's tokens equal to those the session's generate gives it alone. A capture that failed fails the gate."""
+    from ..graphs.layout import read_decoder
+    from ..runtime.base import Request
+    from ..runtime.batcher import Batcher
+    from ..runtime.trt_slots import TrtSlotSession
+    from .agreement import greedy_agreement
+    from .thresholds import MAX_KL, TOLERANCES
+
+    cfg, layout = read_decoder(folder / artifacts[Role.DECODER_ONNX_SLOTS])  # named: a staging folder has no manifest
+    tol, plan = TOLERANCES[precision], folder / artifacts[Role.SLOT_ENGINE]
+    requests = [Request(list(range(1 + i, 1 + i + length)), steps, seed=i) for i, length in enumerate((3, 40, 9, 70))]
+    paths = {}
+    for path, capture in (("cuda_graph", True), ("uncaptured", False)):
+        with TrtSlotSession(plan, cfg, layout, capture=capture) as sess:
+            greedy = greedy_agreement(model, sess, list(range(1, 9)), n_tokens=steps, **tol, max_kl=MAX_KL[precision])
+            greedy.pop("reference_tokens", None), greedy.pop("candidate_tokens", None)
+            alone = [sess.generate_batch([r])[0] for r in requests]
+            got: list[list[int]] = [[] for _ in requests]
+            with Batcher(sess, slots=min(4, sess.max_slots), prefill_chunk=16) as batcher:
+                tickets = [batcher.submit(r, lambda e, out=out: out.append(e.token) if e.token is not None else None)
+                           for r, out in zip(requests, got)]
+                for t in tickets:
+                    t.wait(600)
+                error = next((c.cuda_graph_error for c in sess._caches), None) if capture else None
+        r: dict[str, Any] = {"greedy": greedy, "batched_equals_alone": got == alone}
+        if capture:
+            r["capture_error"] = error
+        r["passed"] = greedy["passed"] and r["batched_equals_alone"] and error is None
+        paths[path] = r
+    return {"passed": all(r["passed"] for r in paths.values()), "paths": paths}
+
+
 def engine_blocker(plan: Path, info: dict) -> str | None:
     """Why the engine `plan` (described by its sidecar `info`) cannot run here, or None when it can."""
     from ..engine.compat import check_engine_compat

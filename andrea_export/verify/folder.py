@@ -11,7 +11,7 @@ from ..catalog import ENGINES, Role
 from ..folder.reader import inside, read_engine_info
 from ..names import EVAL_TEXT_FILE, TOKENIZER_FILE, WEIGHT_ONLY
 from ..progress import step
-from .engine import engine_blocker, engine_checks, engine_runner, quantized_weights_check
+from .engine import engine_blocker, engine_checks, engine_runner, quantized_weights_check, slot_engine_checks
 
 
 def evaluation_windows(tok, path: Path | str, cfg) -> tuple:
@@ -128,6 +128,14 @@ def verify_folder(folder: Path, model, precision: str, artifacts: Mapping, engin
             else:  # the runtime's TensorRT session (preallocated buffers, CUDA graph or not) decodes like PyTorch
                 report.decoder["engine"] = engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
                 report.decoder["passed"] = report.decoder["passed"] and report.decoder["engine"]["passed"]
+        if Role.SLOT_ENGINE in artifacts:
+            plan = folder / artifacts[Role.SLOT_ENGINE]
+            reason = engine_blocker(plan, read_engine_info(folder / artifacts[Role.SLOT_ENGINE_INFO]))
+            if reason:
+                report.skipped.append({"artifact": Role.SLOT_ENGINE.value, "reason": reason})
+            else:  # the runtime's slot cache, alone and in-flight batched, decodes like PyTorch
+                report.decoder["in_flight_engine"] = slot_engine_checks(folder, model, artifacts, greedy_steps or 32, precision)
+                report.decoder["passed"] = report.decoder["passed"] and report.decoder["in_flight_engine"]["passed"]
         report.passed = report.passed and report.decoder["passed"]
     if precision in WEIGHT_ONLY:  # the engines must keep their weights quantized; TensorRT may fold them back
         report.engine_weights = engine_weights_checks(folder, artifacts, engine_info)

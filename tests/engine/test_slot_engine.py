@@ -92,3 +92,41 @@ def test_slot_profiles_cover_every_input_with_a_static_cache(graphs):
     for bad in ((0, 16), (257, 16), (8, 0), (8, n + 1)):
         with pytest.raises(ExportError, match="slot profiles"):
             slot_profiles(layout, *bad)
+
+
+def test_a_build_with_max_slots_writes_the_slot_engine_and_its_graph(tmp_path):
+    """`build --max-slots 4` (tiny, TensorRT-RTX): the two-group graph and its engine, with the decode and mixed
+    profiles, recorded in the manifest as the table plans them; on a machine without a GPU the engine's check is
+    a skip that says why, not a pass."""
+    import json
+
+    from andrea_export.catalog import Role, planned
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    out = tmp_path / "slots"
+    m = run_build(BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=2,
+                               verify_shapes=[[1, 3]], max_slots=4))
+    assert list(m["artifacts"]) == [r.value for r in planned("fp32", "tensorrt-rtx", slot_engine=True)
+                                    if r.value in m["artifacts"]]
+    assert {Role.SLOT_ENGINE_ONNX, Role.SLOT_ENGINE, Role.SLOT_ENGINE_INFO} <= set(m["artifacts"])
+    info = json.loads((out / m["artifacts"][Role.SLOT_ENGINE]["path"]).with_suffix(".plan.json").read_text())
+    assert [p["name"] for p in info["profiles"]] == [DECODE, MIXED]
+    report = json.loads((out / "verify.json").read_text())
+    assert any(s["artifact"] == Role.SLOT_ENGINE.value and "no GPU" in s["reason"] for s in report["skipped"])
+
+
+def test_max_slots_with_a_tensorrt_older_than_10_15_is_refused_before_any_work(monkeypatch, tmp_path):
+    import types
+
+    from andrea_export import pipeline
+    from andrea_export.engine import backends
+    from andrea_export.errors import ConfigError
+
+    monkeypatch.setattr(backends, "trt_module", lambda builder: types.SimpleNamespace(__version__="10.14.1.48"))
+    with pytest.raises(ConfigError, match=r"TensorScatter.*10\.15.*this is TensorRT 10\.14\.1\.48"):
+        pipeline._check_slot_engine_builder("tensorrt")
+    pipeline._check_slot_engine_builder("tensorrt-rtx")  # RTX parses and builds it (the tests above)
+    with pytest.raises(ConfigError, match="max_slots"):
+        pipeline.BuildOptions(max_slots=257).check()
+    with pytest.raises(ConfigError, match="needs the decoder"):
+        pipeline.BuildOptions(max_slots=4, decoder=False).check()
