@@ -140,3 +140,33 @@ def test_what_the_slot_engine_refuses(trt_slot_session, slot_graphs, tmp_path, l
         fake_slot_session(plan, one)
     with pytest.raises(InputError, match="static cache"):  # the batch-1 decoder's layout
         fake_slot_session(slot_plan(slot_graphs[1], tmp_path / "two.plan"), lively_decoder)
+
+
+def test_the_builds_gate_on_the_slot_engine_passes_it_here_and_fails_a_broken_one(slot_graphs, lively_model, monkeypatch):
+    """verify's slot engine check (verify/engine.py, what a GPU host runs on decoder.slots.plan), here on the
+    stand-ins: greedy decoding agrees with PyTorch and four requests batched get their tokens alone, captured and
+    not; a cache that binds every prompt's chunk at slot 0 does not get through it."""
+    from fake_cuda import fake_tensorrt
+
+    from andrea_export.catalog import Role
+    from andrea_export.runtime import trt as trt_backend
+    from andrea_export.verify.engine import slot_engine_checks
+
+    one, two = slot_graphs
+    slot_plan(two, one.parent / "decoder.slots.plan")
+    cudart = FakeCudart()
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: cudart)
+    monkeypatch.setattr(trt_backend, "_tensorrt", lambda: fake_tensorrt(cudart, version="10.15.1"))
+    artifacts = {Role.DECODER_ONNX_SLOTS: one.name, Role.SLOT_ENGINE: "decoder.slots.plan"}
+    result = slot_engine_checks(one.parent, lively_model, artifacts, 12, "fp32")
+    assert result["passed"], result
+    assert all(p["batched_equals_alone"] and p["greedy"]["agree"] for p in result["paths"].values())
+    real = trt_slots.TrtSlotCache._group
+
+    def chunk_in_slot_0(self, prefix, rows, tokens, first, *buffers):  # every prompt's chunk bound at slot 0
+        return real(self, prefix, rows, tokens, 0 if prefix and first != self.slots else first, *buffers)
+
+    monkeypatch.setattr(trt_slots.TrtSlotCache, "_group", chunk_in_slot_0)
+    with pytest.raises(CudaError, match="700"):  # the batched run faults: a chunk overwrote slot 0's decoding row
+        slot_engine_checks(one.parent, lively_model, artifacts, 12, "fp32")
+    assert "both write position" in cudart.fault
