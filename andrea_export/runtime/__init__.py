@@ -36,7 +36,7 @@ BACKENDS = ("auto", "onnxruntime", "tensorrt", "openvino")
 ENGINE_FILE = TABLE[Role.DECODER_ENGINE].file  # the decoder engine beside a decoder.onnx (a build folder's manifest names its own)
 
 __all__ = ["BACKENDS", "STRATEGIES", "InputError", "Request", "Sampling", "SerialSession", "Session", "Steps", "check_ids",
-           "default_backend", "eos_id", "load", "next_token", "read_tokenizer_config", "tokenizer_path"]
+           "default_backend", "eos_id", "has_slot_engine", "load", "next_token", "read_tokenizer_config", "tokenizer_path"]
 
 
 def tokenizer_path(path: str | Path) -> Path | None:
@@ -167,6 +167,7 @@ def load(
     cuda_graph: bool = True,
     inference_precision: str = "default",
     kv_cache_precision: str = "default",
+    in_flight: bool = False,
 ) -> Session:
     """A Session for the decoder in `path` (a build folder with `decoder.onnx`, or the .onnx file itself).
 
@@ -178,7 +179,13 @@ def load(
         inference_precision: OpenVINO only: "default" (bf16 where the CPU has it), "bf16" or "f32".
         kv_cache_precision: OpenVINO only: the fused attention's cache, "default" (OpenVINO's: u8 on x86; f32
             with inference_precision "f32"), "u8", "f16", "bf16" or "f32".
+        in_flight: TensorRT only: the build's in-flight batching engine (decoder.slots.plan, `build --max-slots`):
+            a TrtSlotSession, whose slot_cache the batcher steps (runtime/trt_slots.py).
     """
+    if in_flight:
+        if backend != "tensorrt":
+            raise InputError(f"in_flight runs the TensorRT slot engine: backend 'tensorrt', not {backend!r}")
+        return _load_slot_engine(Path(path))
     if backend not in BACKENDS:
         raise InputError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     path = Path(path)
@@ -217,6 +224,38 @@ def load(
     eos = eos_id(path) if path.is_dir() else None
     sess.eos_id = eos if eos is not None and 0 <= eos < cfg.vocab_size else None
     return sess
+
+
+def _load_slot_engine(folder: Path) -> Session:
+    """The TrtSlotSession of a build folder's slot engine, its files checked as every load checks them."""
+    from ..folder.reader import artifact, changed_artifacts
+    from ..graphs.external_data import graph_weights
+
+    m = _build_manifest(folder)
+    if m is None or Role.SLOT_ENGINE not in m["artifacts"]:
+        raise InputError(f"{folder}: no in-flight batching engine ({TABLE[Role.SLOT_ENGINE].file}) in this build; "
+                         "build it with `andrea-export build --max-slots N` on the GPU host (TensorRT >= 10.15)")
+    have = m["artifacts"]
+    roles = [r for r in (Role.DECODER_ONNX_SLOTS, Role.SLOT_ENGINE_ONNX, Role.SLOT_ENGINE, Role.SLOT_ENGINE_INFO)
+             if r in have]
+    if changed := changed_artifacts(folder, {"artifacts": {r: have[r] for r in roles}}):
+        raise InputError(f"{folder}: {', '.join(changed)} changed since the build (sha256 differs); rebuild it")
+    graph = artifact(folder, m, Role.DECODER_ONNX_SLOTS)
+    graph_weights(folder, m, graph, InputError)
+    cfg, layout, meta = read_decoder_meta(graph)
+    from .trt_slots import TrtSlotSession
+
+    sess = TrtSlotSession(artifact(folder, m, Role.SLOT_ENGINE), cfg, layout)
+    sess.weights_source = weights_source(meta, graph)
+    eos = eos_id(folder)
+    sess.eos_id = eos if eos is not None and 0 <= eos < cfg.vocab_size else None
+    return sess
+
+
+def has_slot_engine(path: str | Path) -> bool:
+    """Whether `path` is a build folder holding the in-flight batching engine."""
+    m = _build_manifest(Path(path))
+    return m is not None and Role.SLOT_ENGINE in m["artifacts"]
 
 
 def default_backend(path: str | Path) -> tuple[str, str | None]:

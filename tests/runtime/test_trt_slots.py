@@ -170,3 +170,45 @@ def test_the_builds_gate_on_the_slot_engine_passes_it_here_and_fails_a_broken_on
     with pytest.raises(CudaError, match="700"):  # the batched run faults: a chunk overwrote slot 0's decoding row
         slot_engine_checks(one.parent, lively_model, artifacts, 12, "fp32")
     assert "both write position" in cudart.fault
+
+
+def test_load_in_flight_gives_the_build_folders_slot_engine(slot_graphs, tmp_path, monkeypatch, build_dir):
+    """runtime.load(folder, "tensorrt", in_flight=True): the TrtSlotSession of the folder's decoder.slots.plan,
+    its files checked against the manifest (a changed one is refused); a folder without one is told how to build it."""
+    import json
+    import shutil
+
+    from fake_cuda import fake_tensorrt
+
+    from andrea_export.catalog import Role
+    from andrea_export.folder.atomic import sha256_file
+    from andrea_export.graphs.layout import read_config
+    from andrea_export.runtime import trt as trt_backend
+    from andrea_export.runtime.trt_slots import TrtSlotSession
+
+    one, two = slot_graphs
+    folder = tmp_path / "build"
+    folder.mkdir()
+    shutil.copy(one, folder / "decoder.slots.onnx")
+    shutil.copy(two, folder / "decoder.slots.two.onnx")
+    slot_plan(folder / "decoder.slots.two.onnx", folder / "decoder.slots.plan")
+    names = {Role.DECODER_ONNX_SLOTS: "decoder.slots.onnx", Role.SLOT_ENGINE_ONNX: "decoder.slots.two.onnx",
+             Role.SLOT_ENGINE: "decoder.slots.plan"}
+    artifacts = {r.value: {"path": n, "sha256": sha256_file(folder / n), "bytes": (folder / n).stat().st_size}
+                 for r, n in names.items()}
+    (folder / "manifest.json").write_text(json.dumps({"schema_version": 1, "model": read_config(one).to_dict(),
+                                                      "artifacts": artifacts}))
+    cudart = FakeCudart()
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: cudart)
+    monkeypatch.setattr(trt_backend, "_tensorrt", lambda: fake_tensorrt(cudart, version="10.15.1"))
+    with runtime.load(folder, "tensorrt", in_flight=True) as sess:
+        assert isinstance(sess, TrtSlotSession) and sess.max_slots == SLOT_ROWS
+        assert sess.generate([1, 2, 3], 5) == runtime.load(one, "onnxruntime").generate([1, 2, 3], 5)
+    assert runtime.has_slot_engine(folder) and not runtime.has_slot_engine(build_dir)
+    with pytest.raises(InputError, match="backend 'tensorrt'"):
+        runtime.load(folder, "onnxruntime", in_flight=True)
+    with pytest.raises(InputError, match="build --max-slots N"):
+        runtime.load(build_dir, "tensorrt", in_flight=True)
+    (folder / "decoder.slots.plan").write_text((folder / "decoder.slots.plan").read_text() + " ")
+    with pytest.raises(InputError, match="changed since the build"):
+        runtime.load(folder, "tensorrt", in_flight=True)
