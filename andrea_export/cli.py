@@ -261,7 +261,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
                    "`generate` and production runtimes use. [default: yes]")
 @click.option("--max-slots", type=click.IntRange(0, MAX_SLOTS), default=None,
               help="Also build the in-flight batching engine (decoder.slots.plan, TensorRT >= 10.15) for up to this "
-                   "many streams decoding at once; serve runs it on a GPU host. 0: none. [default: 0]")
+                   "many streams decoding at once (runtime.load(build, 'tensorrt', in_flight=True) runs it). 0: none. [default: 0]")
 @click.option("--strip-weights/--no-strip-weights", default=None,
               help="Weight-stripped engines for shipping beside the ONNX weights, refitted from them at load "
                    "(full TensorRT on a GPU host only; TensorRT-RTX's CPU builder rejects it). [default: no]")
@@ -288,7 +288,7 @@ def build(build_config, checkpoint, config, seed, precision, builder, profiles, 
       decoder.onnx          the KV-cache decoder graph; decoder.plan its engine (profiles: prefill, decode)
       decoder.inplace.onnx  the decoder ONNX Runtime and onnxruntime-genai run: its cache written in place
       decoder.slots.onnx    the same in standard ops over a static cache (TensorRT's in-flight batching);
-                            with --max-slots N, decoder.slots.plan: its engine, which serve runs on a GPU
+                            with --max-slots N, decoder.slots.plan: its engine (in-flight batching on a GPU)
       *.<int8|int4>.qdq.onnx int8/int4: the engines' graphs (Q/DQ), beside ONNX Runtime's MatMulNBits ones
       tokenizer.json        with --tokenizer; eval.txt with --eval-text (perplexity in verify.json)
       verify.json           Polygraphy's verdict per artifact and input shape, LM figures
