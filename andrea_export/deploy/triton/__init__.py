@@ -13,13 +13,13 @@ from pathlib import Path
 from ...catalog import Role
 from ...errors import PackageError
 from ...folder.atomic import locked_folder
-from .common import check_triton_release, choose_backend, config_text, parse_config, read_manifest
-from .generate import write_generate_model
+from .common import builder_of, check_triton_release, choose_backend, config_text, parse_config, read_manifest
+from .generate import ENGINE_ROLES, write_generate_model
 from .stateful import write_triton_decoder
 from .stateless import write_triton_repo
 
-__all__ = ["config_text", "package", "parse_config", "pin_summary", "read_manifest", "write_generate_model",
-           "write_triton_decoder", "write_triton_repo"]
+__all__ = ["config_text", "generate_engine", "package", "parse_config", "pin_summary", "read_manifest",
+           "write_generate_model", "write_triton_decoder", "write_triton_repo"]
 
 
 def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = None, backend: str = "auto",
@@ -28,15 +28,16 @@ def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = N
             triton_release: str | None = None, **options) -> list[Path]:
     """Every model of a build: the stateless one (write_triton_repo, which also takes `options`), when the
     build has the KV-cache decoder the stateful one (`<name>-decoder`; write_triton_decoder), and when it has
-    the in-place decoder the generate model (`<name>-generate`; write_generate_model; `generate` False: not,
-    `generate_only`: that one alone). One shared lock and one read of the manifest for all, so they always
+    what generate_engine says it steps the generate model (`<name>-generate`; write_generate_model; `generate`
+    False: not, `generate_only`: that one alone). One shared lock and one read of the manifest for all, so they always
     come from the same build. `triton_release` (YY.MM): the Triton release that will serve them, checked against
     every plan before any model is written (see write_triton_repo). Returns the model folders."""
     common = dict(backend=backend, instances=instances, kind=kind, overwrite=overwrite, allow_failed=allow_failed,
                   hardlink=hardlink, triton_release=triton_release)
     with locked_folder(build_dir, shared=True):
         manifest = read_manifest(build_dir)
-        has_generate = Role.DECODER_ONNX_INPLACE in manifest["artifacts"]
+        engine = generate_engine(manifest, backend, kind)
+        has_generate = ENGINE_ROLES[engine][0] in manifest["artifacts"]
         plan = not generate_only and _serves_plan(Path(build_dir), manifest, backend, kind)
         check_triton_release(Path(build_dir), manifest, triton_release, plan=plan)  # before the first model
         models = []
@@ -48,8 +49,15 @@ def package(build_dir: str | Path, repo_dir: str | Path, *, name: str | None = N
         if generate_only or generate or (generate is None and has_generate):
             models.append(write_generate_model(build_dir, repo_dir, name=f"{name}-generate" if name else None,
                                                manifest=manifest, overwrite=overwrite, allow_failed=allow_failed,
-                                               hardlink=hardlink))
+                                               hardlink=hardlink, engine=engine))
     return models
+
+
+def generate_engine(manifest: dict, backend: str, kind: str) -> str:
+    """What the generate model steps: the build's slot engine when it has one that TensorRT (not TensorRT-RTX)
+    built, for GPU instances, unless `backend` is onnxruntime; else ONNX Runtime on the CPU."""
+    slot = Role.SLOT_ENGINE in manifest["artifacts"] and builder_of(manifest)[0] == "tensorrt"
+    return "tensorrt" if slot and kind == "gpu" and backend != "onnxruntime" else "onnxruntime"
 
 
 def _serves_plan(build_dir: Path, manifest: dict, backend: str, kind: str) -> bool:

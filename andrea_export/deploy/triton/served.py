@@ -1,7 +1,9 @@
 """The generate model for Triton's Python backend: `TritonPythonModel` around the runtime's in-flight batcher.
 
 A model folder written by generate.py holds a three-line model.py that imports this class, and the build's
-files the runtime reads (build/: manifest, in-place decoder, weights, tokenizer). Shaped as vLLM's Triton
+files the runtime reads (build/: manifest, in-place decoder, weights, tokenizer; or, for the `engine` parameter
+tensorrt, the slot engine and its graph). The batcher steps ONNX Runtime's slot cache on the CPU, or the slot
+engine's (runtime/trt_slots.py: TensorRT >= 10.15, a GPU, CUDA graphs per batch size). Shaped as vLLM's Triton
 backend is: decoupled, `execute` parses each request and hands it to the batcher's engine thread, which
 sends the tokens as they come (`stream`) or all at once; it returns at once. Nothing here imports torch.
 
@@ -31,6 +33,20 @@ INPUTS = {  # name -> (Triton type, dims)
 }
 OUTPUTS = {"output_ids": ("TYPE_INT64", [-1]), "text_output": ("TYPE_STRING", [1])}
 BUILD_DIR = "build"  # inside the version folder
+ENGINES = ("onnxruntime", "tensorrt")  # what the batcher steps: the `engine` parameter of the model's config
+
+
+def open_session(build: Path, engine: str):
+    """The session whose slot cache the batcher steps: the build's in-place decoder on ONNX Runtime's CPU provider,
+    or its in-flight batching engine on TensorRT (the GPU the process sees first)."""
+    from ... import runtime
+    from ...errors import InputError
+
+    if engine == "tensorrt":
+        return runtime.load(build, "tensorrt", in_flight=True)
+    if engine == "onnxruntime":
+        return runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
+    raise InputError(f"the generate model's engine must be one of {', '.join(ENGINES)}, not {engine!r}")
 
 
 class BadRequest(ValueError):
@@ -113,7 +129,8 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
         build = Path(args["model_repository"]) / args["model_version"] / BUILD_DIR  # in place: a link to the build
-        self.session = runtime.load(build, backend="onnxruntime", providers=["CPUExecutionProvider"])
+        engine = params.get("engine", "onnxruntime")
+        self.session = open_session(build, engine)
         self.tokenizer = None
         if (tok := runtime.tokenizer_path(build)) is not None:
             from tokenizers import Tokenizer
@@ -131,7 +148,8 @@ class TritonPythonModel:
         cfg = self.session.cfg
         pb_utils.Logger.log_info(
             f"andrea generate model '{args['model_name']}': {cfg.name} ({cfg.n_layer} layers, context "
-            f"{cfg.n_positions}) from {build}, {admit} batching over {slots} slots, prefill chunk {chunk}"
+            f"{cfg.n_positions}) from {build} on {_engine_line(self.session, engine)}, {admit} batching over {slots} "
+            f"slots, prefill chunk {self.batcher.prefill_chunk}"
             f"{f', at most {budget} tokens a step' if budget else ''}, "
             f"tokenizer {'yes' if self.tokenizer else 'no (input_ids only)'}")
 
@@ -158,6 +176,7 @@ class TritonPythonModel:
     def finalize(self):
         self.batcher.stop(drain=True)
         self.metrics.close()
+        self.session.close()  # the slot engine's device memory and CUDA graphs go with it
 
     def _encode(self, text: str) -> list[int]:
         assert self.tokenizer is not None  # handed out only with a tokenizer
@@ -238,6 +257,13 @@ class _BatcherMetrics:
         self.batcher = None
         del self.waiting, self.running, self.queue
         self.families.clear()
+
+
+def _engine_line(session, engine: str) -> str:
+    if engine == "tensorrt":
+        return (f"TensorRT {getattr(session.trt, '__version__', '?')} (the slot engine, up to {session.max_slots} "
+                f"decoding rows, {'CUDA graphs per batch size' if session.capture else 'uncaptured'})")
+    return "ONNX Runtime (CPU)"
 
 
 def _input(pb, request, name: str):
