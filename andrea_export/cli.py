@@ -261,7 +261,7 @@ def verify(target, checkpoint, config, shapes, greedy_steps, report):
                    "`generate` and production runtimes use. [default: yes]")
 @click.option("--max-slots", type=click.IntRange(0, MAX_SLOTS), default=None,
               help="Also build the in-flight batching engine (decoder.slots.plan, TensorRT >= 10.15) for up to this "
-                   "many streams decoding at once (runtime.load(build, 'tensorrt', in_flight=True) runs it). 0: none. [default: 0]")
+                   "many streams decoding at once; serve steps it on a GPU host (--engine). 0: none. [default: 0]")
 @click.option("--strip-weights/--no-strip-weights", default=None,
               help="Weight-stripped engines for shipping beside the ONNX weights, refitted from them at load "
                    "(full TensorRT on a GPU host only; TensorRT-RTX's CPU builder rejects it). [default: no]")
@@ -368,7 +368,9 @@ def inspect(path, as_json):
 @click.option("--copy", "copy_files", is_flag=True, help="Copy the artifact instead of hard-linking it.")
 @click.option("--generate/--no-generate", "generate", default=None,
               help="The generate model for Triton's Python backend (in-flight batching, token streaming; what "
-                   "`andrea-export serve` runs). [default: when the build has the in-place decoder]")
+                   "`andrea-export serve` runs): with --kind gpu on the build's in-flight batching engine when it "
+                   "has one that TensorRT built (not with --backend onnxruntime), else on ONNX Runtime's CPU "
+                   "provider. [default: when the build has what it would step]")
 @click.option("--generate-only", is_flag=True, help="Only the generate model, not the ONNX / engine models.")
 @click.option("--triton-release", default=None, metavar="YY.MM",
               help="The Triton release (nvcr.io/nvidia/tritonserver:YY.MM-py3) that will serve the models: recorded "
@@ -568,8 +570,14 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
               help="Seconds a client has to send its whole request body (408 after).")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
               help="One line a request on stderr: client, method, path, status, seconds (never the prompt).")
-@click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=8, show_default=True,
-              help="Requests that share a decode step (in-flight batching slots).")
+@click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=None,
+              help="Requests that share a decode step (in-flight batching slots). [default: 8 on ONNX Runtime; on "
+                   "TensorRT, what the slot engine was built for (build --max-slots)]")
+@click.option("--engine", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
+              help="What the batcher steps: onnxruntime (the in-place decoder on the CPU) or tensorrt (the build's "
+                   "in-flight batching engine, decoder.slots.plan, on GPU 0: needs `build --max-slots N`, and the "
+                   "TensorRT that built it and cuda-python in the serving environment). auto: tensorrt when all of "
+                   "that is there, else onnxruntime; the banner says which runs, and why.")
 @click.option("--prefill-chunk", type=click.IntRange(1, 4096), default=64, show_default=True,
               help="Most prompt tokens prefilled per step (one run: the oldest joining prompt's next chunk). "
                    "Smaller keeps the running streams' gaps shorter, larger gives first tokens sooner.")
@@ -584,13 +592,16 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @_user_errors
 def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key,
           chat_template, served_model_name, allowed_origins, max_body_bytes, max_connections, max_requests,
-          read_timeout, access_log, slots, prefill_chunk, step_tokens, env):
+          read_timeout, access_log, slots, engine, prefill_chunk, step_tokens, env):
     """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
     streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
     front. Ctrl-C or SIGTERM stops accepting, finishes the requests in flight, and exits 0.
 
     The front (--host, --openai-port) is what clients reach; Triton's own ports stay on 127.0.0.1 unless
     --triton-host says otherwise.
+
+    On a GPU host, a build with the in-flight batching engine (build --max-slots N) is served from it: the
+    batcher steps the slot cache on the GPU, decode steps replayed as CUDA graphs (--engine).
 
     \b
       andrea-export serve out/demo
@@ -622,7 +633,9 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
     with step(f"Starting Triton Inference Server on {build_dir} (waiting for the model to be READY)"):
         server = start(build_dir, host=triton_host, http_port=http_port, grpc_port=grpc_port,
                        metrics_port=metrics_port, front=front, slots=slots, prefill_chunk=prefill_chunk,
-                       step_tokens=step_tokens, env=env)
+                       step_tokens=step_tokens, env=env, engine=engine)
+    if server.engine is not None:
+        console.print(f"  {'engine':16s} {server.engine[1]}", markup=False, highlight=False)
     for kind, url in server.endpoints().items():
         console.print(f"  {kind:16s} {url}", markup=False, highlight=False)
     example = json.dumps({"input_ids": [1, 2, 3], "max_tokens": 16})

@@ -268,7 +268,8 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
             with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0 if aiperf else None,
                        slots=1 if mode == "serial" else slots, prefill_chunk=prefill_chunk,
                        step_tokens=step_tokens if mode != "serial" else None,
-                       admit="whole" if mode == "whole" else "in-flight", env=env) as server:
+                       admit="whole" if mode == "whole" else "in-flight", env=env,
+                       engine="onnxruntime") as server:  # what step_ms measures in process, the ideal's ground
                 run_level(server, 2, make_requests(4, vocab, (8, 32), (8, 16), seed=99))  # warm-up
                 for c in levels:
                     if aiperf:

@@ -45,9 +45,17 @@ ENV_VAR = "ANDREA_EXPORT_SERVE_ENV"
 DEFAULT_ENV = ".venv-serve"
 _PROBE = """import json, sys, pathlib, pytriton
 root = pathlib.Path(pytriton.__file__).parent
+def version(module):
+    try:
+        m = __import__(module, fromlist=["_"])
+    except Exception:
+        return None
+    return getattr(m, "__version__", "?") if module != "tensorrt" or hasattr(m, "Runtime") else None
 print(json.dumps({"dist": str(root / "tritonserver"), "libs": str(root.parent / "nvidia_pytriton.libs"),
-                  "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "numpy": __import__("numpy").__version__}))
+                  "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "numpy": __import__("numpy").__version__,
+                  "tensorrt": version("tensorrt"), "cuda": version("cuda.bindings.runtime") is not None}))
 """
+ENGINES = ("auto", "onnxruntime", "tensorrt")  # what the generate model steps (served.ENGINES, or auto's choice)
 
 
 ADMIN_HEADER = "andrea-admin-key"  # what Triton's restricted APIs ask of a request
@@ -100,6 +108,42 @@ def triton_dist(python: Path) -> dict:
         raise ServeError(f"{python}: numpy {info['numpy']}; the Triton Python backend of nvidia-pytriton 0.7 needs "
                          "numpy < 2 (every response fails otherwise)")
     return info
+
+
+def serve_engine(build_dir: str | Path, engine: str = "auto", env: str | Path | None = None) -> tuple[str, str]:
+    """(what the generate model steps, why): `engine` checked (ServeError for what cannot run), or auto's choice:
+    the build's slot engine (build --max-slots) when this host has a GPU and the serving Python (`env`, as
+    serve_python finds it) has cuda-python and the TensorRT that built it; else ONNX Runtime on the CPU."""
+    from ..errors import gpu_compute_capability
+    from ..folder.reader import read_manifest
+    from .triton.common import builder_of
+
+    if engine not in ENGINES:
+        raise ServeError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if engine == "onnxruntime":
+        return engine, "ONNX Runtime on the CPU, as asked"
+    manifest = read_manifest(build_dir, full=False)
+    builder, built = builder_of(manifest)
+    why, gpu = None, None
+    if "slot_engine" not in manifest["artifacts"]:
+        why = "the build has no in-flight batching engine (build --max-slots N on a GPU host, TensorRT >= 10.15)"
+    elif builder != "tensorrt":
+        why = f"its slot engine was built by {builder}, which the generate model does not run (TensorRT only)"
+    elif (gpu := gpu_compute_capability()) is None:
+        why = "this machine has no GPU (or no working driver) for its slot engine"
+    else:
+        dist = triton_dist(serve_python(env))
+        have, fix = dist.get("tensorrt"), f"pip install tensorrt=={built} cuda-python into the serving environment"
+        if have is None or not dist.get("cuda"):
+            why = f"the serving Python has no {'TensorRT' if have is None else 'cuda-python'} for its slot engine ({fix})"
+        elif have != built:
+            why = (f"its slot engine was built by TensorRT {built} and the serving Python has {have}, which cannot "
+                   f"load it ({fix})")
+        else:
+            return "tensorrt", f"TensorRT {have}: the build's slot engine on GPU 0 (compute capability {gpu})"
+    if engine == "tensorrt":
+        raise ServeError(f"{build_dir}: cannot serve on TensorRT: {why}")
+    return "onnxruntime", f"ONNX Runtime on the CPU: {why}"
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -158,6 +202,7 @@ class Server:
         self.admin_key = admin_key  # the ADMIN_HEADER value Triton's restricted APIs ask for (admin_headers)
         self.front: Any = None  # openai_front.Front, when started
         self.front_host = host
+        self.engine: tuple[str, str] | None = None  # (what the generate model steps, why), when start() chose it
 
     def admin_headers(self, kind: str = "http") -> dict[str, str]:
         """The header that opens Triton's restricted APIs to a request (gRPC prefixes its name, as Triton asks)."""
@@ -208,14 +253,15 @@ class Server:
 
 
 def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, openai_port: int | None = None, front: FrontOptions | None = None, slots: int = 8,
+          metrics_port: int = 8002, openai_port: int | None = None, front: FrontOptions | None = None,
+          slots: int | None = None,
           prefill_chunk: int = 64, step_tokens: int | None = None, admit: str = "in-flight",
           env: str | Path | None = None, ready_timeout: float = 180, exit_timeout: int = 30,
-          admin_key: str | None = None) -> Server:
+          admin_key: str | None = None, engine: str = "auto") -> Server:
     """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY
     (ServeError with the server's log when it does not get there), then the OpenAI front when `front` is given
     (or `openai_port`: the front with its defaults on that port). `host`: where Triton's ports listen. Port 0:
-    a free one."""
+    a free one. `engine`: what the generate model steps (serve_engine; Server.engine says which, and why)."""
     from .triton.generate import write_generate_model
 
     if front is None and openai_port is not None:
@@ -226,16 +272,18 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
         _check_front_packages()
         _check_free(front.host, front.port, "the OpenAI front")
 
+    chosen, why = serve_engine(build_dir, engine, env)
     workspace = new_workspace()
     try:
         model = write_generate_model(build_dir, workspace / "models", slots=slots, prefill_chunk=prefill_chunk,
-                                     step_tokens=step_tokens, admit=admit, in_place=True).name
+                                     step_tokens=step_tokens, admit=admit, in_place=True, engine=chosen).name
     except BaseException:
         shutil.rmtree(workspace, ignore_errors=True)
         raise
     server = start_repository(workspace / "models", model, host=host, http_port=http_port, grpc_port=grpc_port,
                               metrics_port=metrics_port, env=env, ready_timeout=ready_timeout,
                               exit_timeout=exit_timeout, workspace=workspace, admin_key=admin_key)
+    server.engine = (chosen, why)
     if front is not None:
         try:
             _start_front(server, build_dir, front, exit_timeout)
