@@ -114,6 +114,7 @@ def serve_engine(build_dir: str | Path, engine: str = "auto", env: str | Path | 
     """(what the generate model steps, why): `engine` checked (ServeError for what cannot run), or auto's choice:
     the build's slot engine (build --max-slots) when this host has a GPU and the serving Python (`env`, as
     serve_python finds it) has cuda-python and the TensorRT that built it; else ONNX Runtime on the CPU."""
+    from ..catalog import Role
     from ..errors import gpu_compute_capability
     from ..folder.reader import read_manifest
     from .triton.common import builder_of
@@ -125,7 +126,7 @@ def serve_engine(build_dir: str | Path, engine: str = "auto", env: str | Path | 
     manifest = read_manifest(build_dir, full=False)
     builder, built = builder_of(manifest)
     why, gpu = None, None
-    if "slot_engine" not in manifest["artifacts"]:
+    if Role.SLOT_ENGINE not in manifest["artifacts"]:
         why = "the build has no in-flight batching engine (build --max-slots N on a GPU host, TensorRT >= 10.15)"
     elif builder != "tensorrt":
         why = f"its slot engine was built by {builder}, which the generate model does not run (TensorRT only)"
