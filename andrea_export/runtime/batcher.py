@@ -148,7 +148,9 @@ class Batcher:
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with `drain`, finish every request in flight and waiting, else cancel them; then end
-        the engine thread."""
+        the engine thread and close the slot cache (a session outlives its batchers: a TensorRT cache's device
+        memory and CUDA graphs would otherwise stay until the session closes). A thread still running after
+        `timeout` keeps its cache."""
         with self._wake:
             self._accepting = False
             if not drain:
@@ -157,6 +159,8 @@ class Batcher:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.cache.close()  # once: every slot cache's close is
 
     @property
     def active(self) -> int:

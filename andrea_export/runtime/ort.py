@@ -154,12 +154,15 @@ class OrtSlotCache:
         for buffer in self.buffers:
             buffer.fill(0)  # not np.zeros: its pages stay the kernel's until first written
         self.slot_bytes = self.buffers[0][0].nbytes
+        self.closed = False
 
     def run(self, group: tuple, chunk: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         """One run of `group` and, beside it, `chunk` (each (first, ids, held), see the class) -> the logits
         [rows, T, vocab] of each (None for no chunk). Where the two share a slot, one of them must be a pad
         whose write lies past every position the other holds (the batcher's decoding rows give a slot whose
         prompt is in the chunk a pad at the context's last position)."""
+        if self.closed:
+            raise InputError(f"{self.owner.source}: this slot cache is closed (its batcher stopped); make a new one")
         session = self.owner.session if chunk is None else self.two_groups
         if session is None:
             raise InputError(f"{self.owner.source}: this session is closed; load a new one")
@@ -176,8 +179,8 @@ class OrtSlotCache:
         return logits, chunk_logits
 
     def close(self) -> None:
-        """Let go of the two-group session (the owner's stays the owner's)."""
-        self.two_groups = None
+        """Let go of the cache's buffers and the two-group session (the owner's stays the owner's)."""
+        self.two_groups, self.buffers, self.closed = None, [], True
 
     def _check(self, first: int, ids: np.ndarray, held: np.ndarray) -> None:
         rows = ids.shape[0]

@@ -317,7 +317,7 @@ class TrtSlotCache:
     # -- steps -------------------------------------------------------------------------------------------
     def run(self, group: tuple, chunk: tuple | None = None) -> tuple[np.ndarray, np.ndarray | None]:
         if self.closed:
-            raise InputError(f"{self.owner.source}: this slot cache is closed (its session was closed?)")
+            raise InputError(f"{self.owner.source}: this slot cache is closed (its batcher stopped, or its session closed)")
         for g in (group, chunk) if chunk is not None else (group,):
             self._check(*g)
         first, ids, _ = group

@@ -212,3 +212,18 @@ def test_load_in_flight_gives_the_build_folders_slot_engine(slot_graphs, tmp_pat
     (folder / "decoder.slots.plan").write_text((folder / "decoder.slots.plan").read_text() + " ")
     with pytest.raises(InputError, match="changed since the build"):
         runtime.load(folder, "tensorrt", in_flight=True)
+
+
+def test_a_stopped_batcher_gives_back_its_slot_cache(fresh):
+    """A session outlives its batchers (a benchmark makes one per level, a server one per model load): each
+    batcher's cache, device memory and CUDA graphs, goes when the batcher stops, not when the session closes."""
+    from andrea_export.runtime import Request
+    from andrea_export.runtime.batcher import Batcher
+
+    session, cudart = fresh
+    before = cudart.live()
+    for slots in (2, 4):
+        with Batcher(session, slots=slots) as batcher:
+            assert cudart.live()["graph_execs"] == before["graph_execs"] + len(buckets(slots))
+            assert batcher.submit(Request(_prompt(5), 3), lambda e: None).wait(60)
+        assert cudart.live() == before
