@@ -22,6 +22,15 @@
   quantized engines   int8 and int4 builds with full TensorRT (per-channel int8, positive int4 scales),
                       verified here; every build's decoder gate row by row (CUDA graph captured or why
                       not, the uncaptured path, the full-context boundary)
+  slot engine         `build --max-slots 256` fp16 with TensorRT >= 10.15: the in-flight batching engine, verified
+                      (its gate: greedy against PyTorch, four requests batched each equal to itself alone,
+                      captured and not)
+  slot mixed steps    a batcher's runs on it recorded and replayed on ONNX Runtime's cache of the same graph: the
+                      logits of the steps whose prompt chunk lies among the decoding rows (the two groups' cache
+                      inputs overlapping) and of every other step
+  in-flight serving   1 / 8 / 64 / 256 streams of 128 + 128 tokens through the batcher on it: tokens/s, time to
+                      first token, inter-token p50 / p99, against the batch-1 decoder engine and the memory floor
+                      (issue 39's goals on an H200: 40,000 tok/s at 64, 80,000 at 256, 50x the batch-1 engine)
 
 Every section is isolated: an exception gives a FAIL row with the error (traceback on stderr) and the next
 section runs; a section that cannot run here (no GPU, no TensorRT, or a section it needs did not finish)
@@ -40,14 +49,19 @@ results): a section starts only when its estimated cost fits in what is left, el
 reason, and an alarm stops a section that overruns the budget. The order is by value per second: the kernel
 sections (about a minute and a half together) first, then PyTorch, then the engines (about 6 minutes),
 which are what a short window drops: the native engine and the engine timings go first, then the plugin
-build. By the estimates the default budget runs every section but the quantized engines (about 590 s
-with the session reload; the quantized builds need --budget 790, or --tiny, where everything fits). The estimates are
+build. By the estimates the default budget runs every section but the quantized engines and the slot engine's
+three (about 590 s with the session reload; the quantized builds need --budget 790, the slot engine's about 420 s
+more, or --tiny, where everything fits). `--only` runs the sections named, e.g. the slot engine's in one window:
+
+    PYTHONPATH=. python benchmarks/gpu_checks.py --only "kernel compile,PTX load,kernel speed,slot engine,slot mixed steps,in-flight serving"
+
+(kernel speed gives in-flight serving its memory floor: the device-to-device copy rate). The estimates are
 guesses for ANDREA-120M on one H100/H200-class GPU, not yet measured there; --tiny uses the tiny model.
 
 Exit status: 0 when no row is FAIL (SKIP and SLOW rows do not fail the run), 1 otherwise.
 
     PYTHONPATH=. python benchmarks/gpu_checks.py [--budget 540] [--tiny] [--n 67108864]
-        [--jsonl bench-out/gpu_checks.jsonl]
+        [--jsonl bench-out/gpu_checks.jsonl] [--only SECTION,...]
 """
 
 from __future__ import annotations
@@ -85,8 +99,9 @@ class BudgetExceeded(BaseException):
 class Checks:
     """Runs sections in order under a time budget; records, prints and writes (JSON lines) every row."""
 
-    def __init__(self, budget_s: float, jsonl: Path | None, out: Any = sys.stdout):
+    def __init__(self, budget_s: float, jsonl: Path | None, out: Any = sys.stdout, only: set[str] | None = None):
         self.budget_s = budget_s
+        self.only = only  # the sections to run (--only); None: every one
         self.t0 = time.monotonic()
         self.rows: list[dict[str, Any]] = []
         self.results: dict[str, Any] = {}  # section -> what it returned (only sections that finished)
@@ -116,6 +131,9 @@ class Checks:
     def section(self, name: str, fn: Callable[["Checks"], Any], estimate_s: float, needs: tuple[str, ...] = ()) -> None:
         """Run fn(self), which adds its own rows and returns a result for later sections (None: no rows of
         its own beyond a plain ok). Exceptions become a FAIL row, Skip a SKIP row; the run goes on."""
+        if self.only is not None and name not in self.only:
+            self.row(name, name, "SKIP", "not asked for (--only)")
+            return
         missing = [n for n in needs if n not in self.results]
         if missing:
             why = ", ".join(f"{n} ({self.status.get(n, 'not run')})" for n in missing)
@@ -271,6 +289,21 @@ class Plan:
     @property
     def name(self) -> str:
         return f"{self.cfg.name} fp16, prefill {self.batch}x{self.seq}"
+
+    @property
+    def slots(self) -> int:
+        """The in-flight batching engine's decoding rows (build --max-slots): the most streams timed."""
+        return self.levels[-1]
+
+    @property
+    def levels(self) -> tuple[int, ...]:
+        """Concurrent streams the in-flight serving section times."""
+        return (1, 4, 16) if self.tiny else (1, 8, 64, 256)
+
+    @property
+    def serving(self) -> tuple[int, int]:
+        """(prompt, new tokens) of each stream: 128 and 128 (issue 39's goals), a quarter of the tiny context."""
+        return (32, 32) if self.tiny else (128, 128)
 
 
 def torch_eager(plan: Plan) -> Callable[[Checks], Any]:
@@ -570,6 +603,141 @@ def session_reload(c: Checks) -> Any:
     return drift
 
 
+# Issue 39's goals for the in-flight batching engine on an H200, fp16, 128-token prompts and outputs: generated
+# tokens/s at 64 and 256 streams, and the gain at 64 over the batch-1 engine decoding one stream at a time.
+SLOT_TOKENS_GOAL = {64: 40_000, 256: 80_000}
+SLOT_GAIN_GOAL = (64, 50.0)
+ITL_SPREAD_GOAL = 2.0  # inter-token p99 / p50
+
+
+def _tensorrt_for_slots() -> str:
+    """TensorRT's version, or Skip when it is older than the KV-cache-update layer the slot engine is built on."""
+    import tensorrt
+
+    have = tuple(int(x) for x in tensorrt.__version__.split(".")[:2] if x.isdigit())
+    if have < (10, 15):
+        raise Skip(f"TensorRT {tensorrt.__version__} has no KV-cache-update layer: the slot engine needs >= 10.15")
+    return tensorrt.__version__
+
+
+def slot_engine(plan: Plan, workdir: Path) -> Callable[[Checks], Any]:
+    """`build --max-slots` fp16 with TensorRT >= 10.15: the in-flight batching engine built and verified, its
+    gate row by row (greedy against PyTorch, four requests batched each equal to itself alone; captured and
+    not)."""
+    def run(c: Checks) -> Any:
+        _tensorrt_here()  # before the build's own imports, as plugin_engine
+        version = _tensorrt_for_slots()
+        from andrea_export.pipeline import BuildOptions, run_build
+
+        opts = BuildOptions(config=plan.cfg.name, builder="tensorrt", precision="fp16", max_slots=plan.slots,
+                            out=str(workdir / "slots-fp16"), greedy_steps=16)  # fmt: skip
+        m = run_build(opts, force=True)
+        engine = m["artifacts"]["slot_engine"]
+        c.row("slot engine", "build+verify slots fp16", "ok" if m["status"] == "passed" else "FAIL",
+              f"status {m['status']}; TensorRT {version}, {plan.slots} decoding rows; slot engine "
+              f"{engine['bytes'] / 1e6:.0f} MB; whole build {m['builder']['build_seconds']:.0f} s")  # fmt: skip
+        out = Path(opts.out or "")
+        gate = (json.loads((out / "verify.json").read_text()).get("decoder") or {}).get("in_flight_engine")
+        if not gate:
+            c.row("slot engine", "in-flight engine gate", "FAIL", "verify.json has no in-flight engine check (skipped?)")
+        for path, r in (gate or {}).get("paths", {}).items():
+            g = r["greedy"]
+            detail = (f"greedy {g['steps']} tokens: {'agree' if g['agree'] else 'diverge at ' + str(g['first_divergence'])}, "
+                      f"max KL {g['max_kl']:.1e}; four requests batched {'equal' if r['batched_equals_alone'] else 'UNEQUAL'} "
+                      f"to each alone")  # fmt: skip
+            if "capture_error" in r:
+                detail += "; captured" if r["capture_error"] is None else f"; capture FAILED: {r['capture_error']}"
+            c.row("slot engine", f"gate: {path}", "ok" if r["passed"] else "FAIL", detail)
+        return out, m
+
+    return run
+
+
+def slot_mixed_steps(c: Checks) -> Any:
+    """A batcher's runs on the slot engine, recorded, replayed on ONNX Runtime's cache of the graph the engine was
+    built from: every run's logits within twice the fp16 tolerance (each side within it of float32) and the same
+    top token, the runs whose chunk lies among the decoding rows (the two groups' cache inputs overlapping, which
+    TensorRT's documentation does not cover) counted apart."""
+    import numpy as np
+
+    from andrea_export import runtime
+    from andrea_export.bench.inflight import record_batched, replay
+    from andrea_export.catalog import Role
+    from andrea_export.runtime import Request
+    from andrea_export.verify.thresholds import TOLERANCES
+
+    out, m = c.results["slot engine"]
+    rng = np.random.default_rng(0)
+    # five requests on four slots: the first ends first and the fifth joins its slot, below three decoding rows
+    lengths = [(3, 2), (100, 24), (9, 24), (70, 24), (90, 12)]
+    with runtime.load(out, "tensorrt", in_flight=True) as session:
+        vocab = session.cfg.vocab_size
+        requests = [Request(rng.integers(1, vocab, p).tolist(), n, ignore_eos=True) for p, n in lengths]
+        _, runs = record_batched(session, requests, slots=4, prefill_chunk=session.prefill_chunk)
+    tol = {k: 2 * v for k, v in TOLERANCES["fp16"].items()}
+    with runtime.load(out / m["artifacts"][Role.DECODER_ONNX_SLOTS]["path"], backend="onnxruntime") as ref:
+        rows = replay(runs, ref.slot_cache(4), **tol)
+    for label, part in (("chunk among the rows", [r for r in rows if r["chunk_inside"]]),
+                        ("every other run", [r for r in rows if not r["chunk_inside"]])):
+        good = bool(part) and all(r["within"] and r["same_top"] for r in part)
+        c.row("slot mixed steps", label, "ok" if good else "FAIL",
+              f"{len(part)} runs vs ONNX Runtime: max|diff| {max((r['max_abs'] for r in part), default=float('nan')):.3g} "
+              f"(bound {tol['atol']:g} + {tol['rtol']:g}|x|), {sum(not r['within'] for r in part)} outside, "
+              f"{sum(not r['same_top'] for r in part)} with another top token")  # fmt: skip
+    return rows
+
+
+def inflight_serving(plan: Plan) -> Callable[[Checks], Any]:
+    """Streams of `plan.serving` tokens through the batcher on the slot engine at each of `plan.levels`, all
+    arriving at once: tokens/s, time to first token and inter-token p50 / p99, against the batch-1 decoder
+    engine decoding one stream alone and the memory floor (every weight plus the cache each step's attention
+    reads, over the whole static context, at the device-to-device copy rate of kernel speed)."""
+    def run(c: Checks) -> Any:
+        from andrea_export import runtime
+        from andrea_export.bench.inflight import serve_streams
+
+        out, _ = c.results["slot engine"]
+        cfg, (prompt, new) = plan.cfg, plan.serving
+        with runtime.load(out, backend="tensorrt") as one:  # the batch-1 decoder engine, CUDA graph and all
+            ids = list(range(1, prompt + 1))
+            one.generate(ids, 8, ignore_eos=True)  # warm
+            t0 = time.perf_counter()
+            one.generate(ids, new, ignore_eos=True)
+            alone = new / (time.perf_counter() - t0)
+        copy = ((c.results.get("kernel speed") or {}).get("fp16") or {}).get("copy_GBps")
+        weights = cfg.n_params * 2  # fp16
+        row_cache = cfg.n_layer * 2 * cfg.n_positions * cfg.n_embd * 2  # keys and values of every layer, fp16
+        figures = {"alone_tokens_per_s": alone, "copy_GBps": copy, "levels": []}
+        with runtime.load(out, "tensorrt", in_flight=True) as session:
+            for n in plan.levels:
+                f = serve_streams(session, n, prompt, new, slots=n, prefill_chunk=session.prefill_chunk)
+                figures["levels"].append(f)
+                rate, ttft, itl = f["tokens_per_s"], f["ttft_ms"], f["itl_ms"]
+                spread = itl["p99"] / itl["p50"]
+                slow = spread > ITL_SPREAD_GOAL
+                goals = [f"ITL p99/p50 {spread:.1f} (goal <= {ITL_SPREAD_GOAL:g})"]
+                if not plan.tiny and n in SLOT_TOKENS_GOAL:
+                    slow |= rate < SLOT_TOKENS_GOAL[n]
+                    goals.append(f"goal >= {SLOT_TOKENS_GOAL[n]:,} tok/s on an H200")
+                if not plan.tiny and n == SLOT_GAIN_GOAL[0]:
+                    slow |= rate / alone < SLOT_GAIN_GOAL[1]
+                    goals.append(f"goal >= {SLOT_GAIN_GOAL[1]:g}x the batch-1 engine")
+                floor = (f"memory floor {n / ((weights + n * row_cache) / (copy * 1e9)):,.0f} tok/s at "
+                         f"{copy:.0f} GB/s" if copy else "no memory floor (kernel speed did not run)")  # fmt: skip
+                c.row("in-flight serving", f"{n} streams {prompt}+{new}", "SLOW" if slow else "ok",
+                      f"{rate:,.0f} tok/s, {rate / alone:.1f}x the batch-1 engine's {alone:,.0f}; {floor}; TTFT "
+                      f"p50/p99 {ttft['p50']:.1f}/{ttft['p99']:.1f} ms; ITL p50/p99 {itl['p50']:.2f}/{itl['p99']:.2f} "
+                      f"ms; {f['steps']} steps of {f['mean_rows']:.1f} rows; " + "; ".join(goals))  # fmt: skip
+        return figures
+
+    return run
+
+
+SECTION_NAMES = ("kernel compile", "driver", "PTX load", "kernel correctness", "kernel speed", "PyTorch eager",
+                 "plugin engine", "bare TensorRT load", "native engine", "plugin vs native", "TensorRT vs PyTorch",
+                 "session reload", "quantized engines", "slot engine", "slot mixed steps", "in-flight serving")
+
+
 def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     plan = Plan(tiny)
     big = 0.1 if tiny else 1.0  # the engine sections scale with the model
@@ -586,6 +754,9 @@ def run_all(c: Checks, n: int, tiny: bool, workdir: Path) -> None:
     c.section("TensorRT vs PyTorch", trt_vs_torch(plan), 1, needs=("PyTorch eager", "plugin vs native"))
     c.section("session reload", session_reload, 60 * big, needs=("plugin engine",))
     c.section("quantized engines", quantized_engines(plan, workdir), 200 * big)  # two builds + verification
+    c.section("slot engine", slot_engine(plan, workdir), 300 * big)  # every engine of a build, the slot one too
+    c.section("slot mixed steps", slot_mixed_steps, 60 * big, needs=("slot engine",))  # ONNX Runtime on the CPU
+    c.section("in-flight serving", inflight_serving(plan), 60 * big, needs=("slot engine",))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -596,8 +767,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=64 << 20, help="elements for the timing run (fp16)")
     ap.add_argument("--workdir", default=None, help="keep the TensorRT builds here (default: a temporary folder)")
     ap.add_argument("--jsonl", default="bench-out/gpu_checks.jsonl", help="one JSON row per line, written as it finishes")
+    ap.add_argument("--only", default=None, metavar="SECTION,...",
+                    help="run only these sections (by name, comma-separated), e.g. 'kernel speed,slot engine,slot "
+                         "mixed steps,in-flight serving'; the others are SKIP rows")
     args = ap.parse_args(argv)
-    c = Checks(args.budget, Path(args.jsonl) if args.jsonl else None)
+    only = None if args.only is None else {s.strip() for s in args.only.split(",") if s.strip()}
+    known = set(SECTION_NAMES)
+    if only is not None and (unknown := sorted(only - known)):
+        ap.error(f"--only: no section {', '.join(map(repr, unknown))}; the sections: {', '.join(SECTION_NAMES)}")
+    c = Checks(args.budget, Path(args.jsonl) if args.jsonl else None, only=only)
     print(f"gpu_checks: budget {args.budget:.0f} s, rows also in {args.jsonl}", flush=True)
     with tempfile.TemporaryDirectory(prefix="andrea-gpu-checks-") as tmp:
         run_all(c, args.n, args.tiny, Path(args.workdir) if args.workdir else Path(tmp))

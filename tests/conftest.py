@@ -1,7 +1,8 @@
 """Shared fixtures, made once per session: the tiny model and its ONNX export; the "lively" tiny model,
 whose output varies: andrea-tiny trained on the Python documentation, shipped in models/andrea-tiny-demo
 (trained once by `andrea-export train-demo`; its folder's README says how), its KV-cache decoder graph
-and a whole build folder of it.
+and a whole build folder of it; the tiny build with a stand-in slot engine (slot_build) and the stand-ins
+that run it (stand_ins).
 
 The trained weights are a file, not a training run: training's float rounding differs from CPU to CPU
 (the same recipe reached held-out perplexity 343.8, 301.2 and 294.6 on three CPUs of this machine kind),
@@ -109,6 +110,66 @@ def tiny_build(tmp_path_factory):
     opts = BuildOptions(config="andrea-tiny", builder="tensorrt-rtx", out=str(out), greedy_steps=4,
                         verify_shapes=[[1, 3], [2, 128]])
     return out, run_build(opts)
+
+
+RUNTIME_TESTS = Path(__file__).resolve().parent / "runtime"  # fake_cuda.py: the strict CUDA and TensorRT stand-ins
+SLOT_BUILD_TRT = "10.15.1"  # the stand-in TensorRT, and what "built" slot_build's slot engine
+SLOT_BUILD_ROWS, SLOT_BUILD_CHUNK = 4, 16  # its profiles: decoding rows, a prompt's chunk
+
+
+@pytest.fixture(scope="session")
+def slot_build(tiny_build, tmp_path_factory):
+    """A copy of the tiny build with a slot engine as `build --builder tensorrt --max-slots 4` records it: the
+    two-group graph, a stand-in plan of it with the slot profiles, its sidecar, and the manifest's entries."""
+    import shutil
+    import sys
+
+    import onnx
+    import onnx_ir as ir
+
+    from andrea_export.catalog import Role
+    from andrea_export.folder.atomic import sha256_file
+
+    sys.path.insert(0, str(RUNTIME_TESTS))
+    try:
+        from fake_cuda import COMPUTE_CAPABILITY, write_plan
+    finally:
+        sys.path.remove(str(RUNTIME_TESTS))
+    from andrea_export.graphs.layout import read_kv_layout
+    from andrea_export.graphs.slot_decoder import slot_profiles
+    from andrea_export.graphs.two_groups import two_group_decoder
+
+    folder = tmp_path_factory.mktemp("slot-build") / "tiny"
+    shutil.copytree(tiny_build[0], folder)
+    m = json.loads((folder / "manifest.json").read_text())
+    one = folder / m["artifacts"][Role.DECODER_ONNX_SLOTS]["path"]
+    two, plan = folder / "decoder.slots.two.onnx", folder / "decoder.slots.plan"
+    ir.save(two_group_decoder(ir.from_proto(onnx.load(str(one)))), two)  # its weights inline
+    write_plan(plan, two, slot_profiles(read_kv_layout(one), SLOT_BUILD_ROWS, SLOT_BUILD_CHUNK), trt_version=SLOT_BUILD_TRT)
+    info = {"builder": "tensorrt", "builder_version": SLOT_BUILD_TRT, "plan_bytes": plan.stat().st_size,
+            "plan_sha256": sha256_file(plan), "compute_capabilities": [COMPUTE_CAPABILITY]}
+    plan.with_suffix(".plan.json").write_text(json.dumps(info))
+    for role, f in ((Role.SLOT_ENGINE_ONNX, two), (Role.SLOT_ENGINE, plan), (Role.SLOT_ENGINE_INFO,
+                                                                               plan.with_suffix(".plan.json"))):
+        m["artifacts"][role] = {"path": f.name, "sha256": sha256_file(f), "bytes": f.stat().st_size}
+    m["builder"].update(name="tensorrt", version=SLOT_BUILD_TRT)
+    m["options"]["max_slots"] = SLOT_BUILD_ROWS
+    (folder / "manifest.json").write_text(json.dumps(m))
+    return folder
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """The runtime's CUDA and TensorRT, stand-ins for this test (each its own device)."""
+    monkeypatch.syspath_prepend(str(RUNTIME_TESTS))
+    from fake_cuda import FakeCudart, fake_tensorrt
+
+    from andrea_export.runtime import trt as trt_backend
+
+    cudart = FakeCudart()
+    monkeypatch.setattr(trt_backend, "_cudart", lambda: cudart)
+    monkeypatch.setattr(trt_backend, "_tensorrt", lambda: fake_tensorrt(cudart, version=SLOT_BUILD_TRT))
+    return cudart
 
 
 # The heavy tier (pyproject's `heavy` marker): the minute-scale tests that `make test-quick` (`pytest -m "not heavy"`)

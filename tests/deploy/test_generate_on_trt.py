@@ -7,7 +7,6 @@ request gets alone. A real Triton on the slot engine needs a GPU (docs/gpu-hosts
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import threading
 import types
@@ -17,64 +16,11 @@ import numpy as np
 import pytest
 
 from andrea_export import runtime
-from andrea_export.catalog import Role
 from andrea_export.deploy import server as server_mod
 from andrea_export.deploy.triton import generate_engine, parse_config, write_generate_model
 from andrea_export.errors import PackageError
-from andrea_export.folder.atomic import sha256_file
 
-RUNTIME_TESTS = Path(__file__).parents[1] / "runtime"  # fake_cuda.py
-TRT = "10.15.1"  # the stand-in TensorRT, and what "built" the slot engine
-ROWS, CHUNK = 4, 16  # the slot engine's profiles: decoding rows, a prompt's chunk
-
-
-@pytest.fixture(scope="module")
-def slot_build(tiny_build, tmp_path_factory):
-    """A copy of the tiny build with a slot engine as `build --builder tensorrt --max-slots 4` records it: the
-    two-group graph, a stand-in plan of it with the slot profiles, its sidecar, and the manifest's entries."""
-    import onnx
-    import onnx_ir as ir
-
-    sys.path.insert(0, str(RUNTIME_TESTS))
-    try:
-        from fake_cuda import COMPUTE_CAPABILITY, write_plan
-    finally:
-        sys.path.remove(str(RUNTIME_TESTS))
-    from andrea_export.graphs.layout import read_kv_layout
-    from andrea_export.graphs.slot_decoder import slot_profiles
-    from andrea_export.graphs.two_groups import two_group_decoder
-
-    folder = tmp_path_factory.mktemp("slot-build") / "tiny"
-    shutil.copytree(tiny_build[0], folder)
-    m = json.loads((folder / "manifest.json").read_text())
-    one = folder / m["artifacts"][Role.DECODER_ONNX_SLOTS]["path"]
-    two, plan = folder / "decoder.slots.two.onnx", folder / "decoder.slots.plan"
-    ir.save(two_group_decoder(ir.from_proto(onnx.load(str(one)))), two)  # its weights inline
-    write_plan(plan, two, slot_profiles(read_kv_layout(one), ROWS, CHUNK), trt_version=TRT)
-    info = {"builder": "tensorrt", "builder_version": TRT, "plan_bytes": plan.stat().st_size,
-            "plan_sha256": sha256_file(plan), "compute_capabilities": [COMPUTE_CAPABILITY]}
-    plan.with_suffix(".plan.json").write_text(json.dumps(info))
-    for role, f in ((Role.SLOT_ENGINE_ONNX, two), (Role.SLOT_ENGINE, plan), (Role.SLOT_ENGINE_INFO,
-                                                                               plan.with_suffix(".plan.json"))):
-        m["artifacts"][role] = {"path": f.name, "sha256": sha256_file(f), "bytes": f.stat().st_size}
-    m["builder"].update(name="tensorrt", version=TRT)
-    m["options"]["max_slots"] = ROWS
-    (folder / "manifest.json").write_text(json.dumps(m))
-    return folder
-
-
-@pytest.fixture
-def stand_ins(monkeypatch):
-    """The runtime's CUDA and TensorRT, stand-ins for this test (each its own device)."""
-    monkeypatch.syspath_prepend(str(RUNTIME_TESTS))
-    from fake_cuda import FakeCudart, fake_tensorrt
-
-    from andrea_export.runtime import trt as trt_backend
-
-    cudart = FakeCudart()
-    monkeypatch.setattr(trt_backend, "_cudart", lambda: cudart)
-    monkeypatch.setattr(trt_backend, "_tensorrt", lambda: fake_tensorrt(cudart, version=TRT))
-    return cudart
+TRT, ROWS = "10.15.1", 4  # slot_build's (tests/conftest.py): the TensorRT that "built" it, its decoding rows
 
 
 def test_the_packaged_tensorrt_generate_model_is_a_gpu_model_of_the_slot_engine(slot_build, tmp_path):

@@ -23,7 +23,7 @@ def test_scripts_compile(script):
 
 SECTIONS = ["kernel compile", "driver", "PTX load", "kernel correctness", "kernel speed", "PyTorch eager",
             "plugin engine", "bare TensorRT load", "native engine", "plugin vs native", "TensorRT vs PyTorch",
-            "session reload", "quantized engines"]  # fmt: skip
+            "session reload", "quantized engines", "slot engine", "slot mixed steps", "in-flight serving"]  # fmt: skip
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run benchmarks/gpu_checks.py itself")
@@ -46,8 +46,24 @@ def test_gpu_checks_dry_run_on_cpu(tmp_path):
     why = {r["section"]: r["detail"] for r in rows}
     assert why["PTX load"] == "no CUDA GPU visible (torch.cuda.is_available() is False); run this on a GPU host"
     assert why["native engine"] == why["bare TensorRT load"] == "needs plugin engine (SKIP)"
+    assert why["slot mixed steps"] == why["in-flight serving"] == "needs slot engine (SKIP)"
     if not __import__("andrea_export.errors", fromlist=["installed"]).installed("tensorrt"):
         assert why["plugin engine"].startswith("TensorRT is not installed (pip install 'andrea-export[tensorrt]')")
+
+
+def test_only_runs_the_sections_asked_for_and_refuses_a_name_it_does_not_know(tmp_path):
+    assert list(_gpu_checks().SECTION_NAMES) == SECTIONS  # what --only checks names against is what runs
+    jsonl = tmp_path / "rows.jsonl"
+    script = [sys.executable, str(ROOT / "benchmarks" / "gpu_checks.py"), "--tiny", "--jsonl", str(jsonl)]
+    proc = subprocess.run([*script, "--only", "kernel compile, slot engine"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    why = {r["section"]: r["detail"] for r in map(json.loads, jsonl.read_text().splitlines())}
+    assert list(why) == SECTIONS and why["kernel compile"].startswith("sm_80")
+    assert all(why[s] == "not asked for (--only)" for s in SECTIONS if s not in ("kernel compile", "slot engine"))
+    assert why["slot engine"] != "not asked for (--only)"  # it ran, as far as this machine lets it
+    proc = subprocess.run([*script, "--only", "slot engines"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and "--only: no section 'slot engines'; the sections: kernel compile" in proc.stderr
 
 
 def _gpu_checks():
@@ -449,3 +465,34 @@ def test_bare_load_runs_each_plan_in_trtexec_on_a_profile_without_empty_tensors(
                      f"--loadEngine={out / 'bad.plan'} --iterations=1 --warmUp=0 --duration=0"]  # fmt: skip
     assert gc.trtexec_command("trtexec", out / "p.plan", [{"input_ids": [2, 64]}])[-2:] == [
         "--profile=0", "--shapes=input_ids:2x64"]  # the prefill engine: one profile
+
+
+def test_the_slot_mixed_steps_section_passes_the_stand_in_engine_and_fails_one_whose_mixed_steps_are_off(
+        slot_build, stand_ins, tmp_path, monkeypatch):
+    """The section a GPU host runs on its slot engine, here on the stand-ins (tests/conftest.py's slot_build): a
+    batcher's runs replayed on ONNX Runtime agree; an engine whose steps with the chunk among the decoding rows
+    are off by 0.2 (every logit of the chunk, the top token unchanged) fails that row and only that one."""
+    from andrea_export.runtime import trt_slots
+
+    manifest = json.loads((slot_build / "manifest.json").read_text())
+
+    def section():
+        gpu_checks, c = _checks(tmp_path, budget=300)
+        c.results["slot engine"] = (slot_build, manifest)
+        c.section("slot mixed steps", gpu_checks.slot_mixed_steps, 1, needs=("slot engine",))
+        return [(r["check"], r["status"]) for r in c.rows], c.rows
+
+    got, rows = section()
+    assert got == [("chunk among the rows", "ok"), ("every other run", "ok")], rows
+    assert " 0 outside, 0 with another top token" in rows[0]["detail"]
+    real = trt_slots.TrtSlotCache.run
+
+    def off(self, group, chunk=None):
+        logits, chunk_logits = real(self, group, chunk)
+        if chunk is not None and group[0] <= chunk[0] < group[0] + len(group[1]):
+            chunk_logits = chunk_logits + 0.2
+        return logits, chunk_logits
+
+    monkeypatch.setattr(trt_slots.TrtSlotCache, "run", off)
+    got, rows = section()
+    assert got == [("chunk among the rows", "FAIL"), ("every other run", "ok")], rows
