@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import sys
 import threading
-import types
 from pathlib import Path
 
 import numpy as np
 import pytest
+import python_backend
 
 from andrea_export import runtime
 from andrea_export.deploy import server as server_mod
@@ -52,34 +52,6 @@ def test_a_tensorrt_generate_model_is_refused_without_a_slot_engine_or_beyond_it
     assert not any(tmp_path.iterdir())
 
 
-class _Metric:
-    def __init__(self, labels, buckets=None):
-        assert isinstance(labels, dict) and all(isinstance(v, str) for v in labels.values())
-        self.value = 0.0
-
-    def set(self, value):
-        self.value = float(value)
-
-    def observe(self, value):
-        assert value >= 0
-
-
-class _MetricFamily:
-    GAUGE, HISTOGRAM = "gauge", "histogram"
-
-    def __init__(self, name, description, kind):
-        assert kind in (self.GAUGE, self.HISTOGRAM)
-        self.Metric = _Metric
-
-
-def _pb_utils(log: list[str]) -> types.ModuleType:
-    """What initialize and finalize use of triton_python_backend_utils: its logger and custom metrics."""
-    pb = types.ModuleType("triton_python_backend_utils")
-    pb.Logger = types.SimpleNamespace(log_info=log.append, log_error=log.append)  # type: ignore[attr-defined]
-    pb.MetricFamily = _MetricFamily  # type: ignore[attr-defined]
-    return pb
-
-
 def test_the_generate_model_steps_the_slot_engine_to_each_requests_own_tokens(slot_build, tmp_path, stand_ins,
                                                                              monkeypatch):
     """TritonPythonModel.initialize from the packaged config: its session is the slot engine (TensorRT, CUDA
@@ -90,7 +62,7 @@ def test_the_generate_model_steps_the_slot_engine_to_each_requests_own_tokens(sl
 
     model = write_generate_model(slot_build, tmp_path, engine="tensorrt")
     log: list[str] = []
-    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", _pb_utils(log))
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", python_backend.module(log))
     served = TritonPythonModel()
     config = json.dumps({"parameters": {k: {"string_value": v.string_value} for k, v in
                                         parse_config((model / "config.pbtxt").read_text()).parameters.items()}})
