@@ -116,14 +116,13 @@ def serve_engine(build_dir: str | Path, engine: str = "auto", env: str | Path | 
     serve_python finds it) has cuda-python and the TensorRT that built it; else ONNX Runtime on the CPU."""
     from ..catalog import Role
     from ..errors import gpu_compute_capability
-    from ..folder.reader import read_manifest
-    from .triton.common import builder_of
+    from .triton.common import builder_of, read_manifest  # a folder that is no build: PackageError, as packaging says
 
     if engine not in ENGINES:
         raise ServeError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     if engine == "onnxruntime":
         return engine, "ONNX Runtime on the CPU, as asked"
-    manifest = read_manifest(build_dir, full=False)
+    manifest = read_manifest(build_dir)
     builder, built = builder_of(manifest)
     why, gpu = None, None
     if Role.SLOT_ENGINE not in manifest["artifacts"]:
