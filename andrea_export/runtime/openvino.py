@@ -32,6 +32,7 @@ The graph derives positions from the mask, so left-padded batches are right here
 from __future__ import annotations
 
 import contextlib
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -80,10 +81,19 @@ def check_name(inference_precision: str) -> str:
     return f"openvino-{inference_precision}"
 
 
+@functools.cache
+def core():
+    """The process's one OpenVINO Core, which every session and check compiles with. One, kept: each Core's CPU
+    plugin points the main thread's signal stack (sigaltstack) at memory of its own and, when that Core goes,
+    back at the one it found, so Cores that go in the order they came leave it on freed memory, and the next
+    signal Python handles (Ctrl-C, SIGTERM, an alarm) crashes the process (OpenVINO 2026.4)."""
+    ov = require("openvino", "openvino", "the OpenVINO backend")
+    return ov.Core()
+
+
 def cpu_has_bf16() -> bool:
     """Whether OpenVINO's CPU plugin reports bf16 among this CPU's optimization capabilities."""
-    ov = require("openvino", "openvino", "the OpenVINO backend")
-    return "BF16" in ov.Core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+    return "BF16" in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 
 
 def fuse_attention(model, layout: KVLayout) -> bool:
@@ -183,7 +193,7 @@ class OpenVinoSession(Session):
         CPU plugin's, u8 on x86; f32 wherever the session computes in f32), "u8", "f16", "bf16" or "f32". `fuse`: hand
         attention and its cache to OpenVINO's fused kernel (fuse_attention; False: the graph's own ops and
         Concat cache, for comparison)."""
-        ov = require("openvino", "openvino", "the OpenVINO backend")
+        require("openvino", "openvino", "the OpenVINO backend")  # before its submodule: the install hint
         from openvino._offline_transformations import apply_make_stateful_transformation
 
         super().__init__(cfg, layout, str(onnx_path))
@@ -197,9 +207,9 @@ class OpenVinoSession(Session):
         if inference_precision == "bf16" and not cpu_has_bf16():
             raise InputError("inference_precision 'bf16': this CPU has no bf16 instructions (OpenVINO reports no "
                              "BF16 capability); use 'f32' or 'default'")  # fmt: skip
-        core = ov.Core()
+        ov_core = core()
         try:
-            model = core.read_model(str(onnx_path))
+            model = ov_core.read_model(str(onnx_path))
             self.fused = fuse and fuse_attention(model, layout)
             apply_make_stateful_transformation(model, dict(zip(layout.past_names, layout.present_names)))
             _empty_cache_on_reset(model, layout)
@@ -209,7 +219,7 @@ class OpenVinoSession(Session):
             inference_precision = "f32"  # what OpenVINO picks here, made explicit so that the cache follows it
         if inference_precision == "f32" and kv_cache_precision == "default":
             kv_cache_precision = "f32"  # full precision means the cache too (the plugin's default is u8)
-        self.compiled = core.compile_model(model, "CPU", cpu_config(threads, inference_precision, kv_cache_precision))
+        self.compiled = ov_core.compile_model(model, "CPU", cpu_config(threads, inference_precision, kv_cache_precision))
         self.inference_precision = compute_precision(self.compiled)  # "bf16" / "f32", as OpenVINO reports it
         self.kv_cache_precision = kv_cache_precision_of(self.compiled)  # None: the graph's own cache (not fused)
         self._logits = self.compiled.output(0)

@@ -40,13 +40,11 @@ class OpenVinoRunner(BaseRunner):
         self.onnx_path, self.inference_precision = str(onnx_path), inference_precision
 
     def activate_impl(self):
-        import openvino as ov
+        from ..runtime.openvino import core, cpu_config
 
-        from ..runtime.openvino import cpu_config
-
-        core = ov.Core()
+        ov_core = core()  # the process's one Core (see there why)
         config = cpu_config(None, self.inference_precision)
-        self.compiled = core.compile_model(core.read_model(self.onnx_path), "CPU", config)
+        self.compiled = ov_core.compile_model(ov_core.read_model(self.onnx_path), "CPU", config)
         self.request = self.compiled.create_infer_request()
 
     def deactivate_impl(self):

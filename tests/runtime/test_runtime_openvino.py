@@ -197,3 +197,31 @@ def test_generate_takes_openvino_only_where_the_build_measured_it_faster_in_bf16
                 {"cpu_decode": {**claimed["cpu_decode"], "tokens_per_s": {check_name("bf16"): "fast", "onnxruntime": 1}}}):
         (faster / "manifest.json").write_text(json.dumps({**record, "verification": {**claimed, **lie}}))
         assert runtime.default_backend(faster) == ("onnxruntime", None), lie
+
+
+CTRL_C_AFTER_SESSIONS = """
+import gc, signal, sys
+from andrea_export import runtime
+first = runtime.load(sys.argv[1], backend="openvino", intra_op_threads=1)
+second = runtime.load(sys.argv[1], backend="openvino", intra_op_threads=1)
+first.generate([1, 2, 3], 2), second.generate([1, 2, 3], 2)
+first.close(); del first; gc.collect()  # the first made, the first gone: not the reverse of their making
+second.close(); del second; gc.collect()
+try:
+    signal.raise_signal(signal.SIGINT)  # Ctrl-C, as a user presses it
+except KeyboardInterrupt:
+    print("interrupted cleanly")
+"""
+
+
+def test_ctrl_c_after_openvino_sessions_come_and_go_is_a_keyboard_interrupt(build_dir):
+    """Each OpenVINO Core's CPU plugin points the main thread's signal stack (sigaltstack) at memory of its own
+    and, when the Core goes, back at the one before it: two Cores gone in the order they came leave it on freed
+    memory, and the next signal Python handles (Ctrl-C, SIGTERM, an alarm) crashed the process (SIGSEGV, exit
+    139). The runtime's sessions share one Core for the life of the process."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", CTRL_C_AFTER_SESSIONS, str(build_dir)], capture_output=True,
+                         text=True, timeout=300)
+    assert (run.returncode, run.stdout.strip()) == (0, "interrupted cleanly"), run.stderr[-2000:]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import SLOT_CHUNK, SLOT_ROWS, fake_slot_session, slot_plan
 from fake_cuda import FakeCudart
+from slot_stand_ins import SLOT_CHUNK, SLOT_ROWS, fake_slot_session, slot_plan
 
 from andrea_export import runtime
 from andrea_export.errors import CudaError, InputError
