@@ -146,10 +146,34 @@ def serve_engine(build_dir: str | Path, engine: str = "auto", env: str | Path | 
     return "onnxruntime", f"ONNX Runtime on the CPU: {why}"
 
 
+def free_ports(host: str, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
+    """`n` ports free on `host`, none in `avoid` and no two the same: all bound at once, then let go. (One at a time,
+    each socket closed before the next is bound, the system may hand back the port it just got back: Triton then
+    refused to start, its HTTP and gRPC ports the same.)"""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.ExitStack() as held:
+        ports: list[int] = []
+        while len(ports) < n:
+            s = held.enter_context(socket.socket(family))
+            s.bind((host, 0))
+            if (port := s.getsockname()[1]) not in avoid:
+                ports.append(port)
+        return ports
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    return free_ports(host, 1)[0]
+
+
+def triton_ports(host: str, http: int, grpc: int, metrics: int) -> dict[str, int]:
+    """Triton's three ports: each one given checked free (ServeError in one line otherwise), each 0 a free one,
+    all different (two the same are refused: Triton cannot listen twice on one port)."""
+    asked = {"http": http, "grpc": grpc, "metrics": metrics}
+    given = {kind: _check_free(host, p, f"Triton's {kind} port") for kind, p in asked.items() if p}
+    if len(set(given.values())) < len(given):
+        raise ServeError(f"Triton's ports must differ: {', '.join(f'{k} {p}' for k, p in given.items())}")
+    picked = iter(free_ports(host, len(asked) - len(given), avoid=set(given.values())))
+    return {kind: given[kind] if p else next(picked) for kind, p in asked.items()}
 
 
 WORKSPACE_PREFIX = "andrea-serve-"
@@ -339,9 +363,7 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
     try:
         python = serve_python(env)
         dist = triton_dist(python)
-        ports = {}
-        for kind, p in (("http", http_port), ("grpc", grpc_port), ("metrics", metrics_port)):
-            ports[kind] = _check_free(host, p, f"Triton's {kind} port") if p else free_port(host)
+        ports = triton_ports(host, http_port, grpc_port, metrics_port)
         admin_key = admin_key or secrets.token_urlsafe(24)
         guard = f"{RESTRICTED}:{ADMIN_HEADER}={admin_key}"
         backends = workspace / "backends"
