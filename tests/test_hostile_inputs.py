@@ -273,7 +273,7 @@ def test_schema_version_is_checked_by_every_command(scene, version):
 
 # ---- malformed manifests, generated --------------------------------------------------------------------
 
-from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import HealthCheck, example, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 _json = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=12),
@@ -288,6 +288,7 @@ _FIELDS = ["schema_version", "status", "model", "model.name", "model.vocab_size"
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(_FIELDS), value=_json | st.sampled_from(["../x", "/etc/hostname", "decoder.plan"]))
+@example(field="options", value=None)  # found by a run: the generate model read options.max_slots unchecked
 def test_any_malformed_manifest_is_one_clear_error(scene, field, value):
     """Replace one field of a good manifest by any JSON value: every command either works (the value was
     harmless) or says what is wrong in one line; never a traceback, never a file touched outside."""

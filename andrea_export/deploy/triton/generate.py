@@ -76,7 +76,8 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
         raise PackageError(f"{build_dir}: no in-flight batching engine (decoder.slots.plan), which the generate model "
                            "steps on TensorRT: build it with `andrea-export build --max-slots N` on the GPU host "
                            "(TensorRT >= 10.15), or package the ONNX Runtime one")
-    most = manifest["options"].get("max_slots")  # the engine's own profiles say it again when it loads
+    options = manifest.get("options")  # the record of the build's options, untrusted like the rest
+    most = options.get("max_slots") if isinstance(options, dict) else None  # the engine's profiles say it at load
     most = most if type(most) is int and 1 <= most <= 256 else None
     if slots is None:
         slots = most if engine == "tensorrt" and most else DEFAULT_SLOTS
