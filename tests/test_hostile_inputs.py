@@ -288,7 +288,7 @@ _FIELDS = ["schema_version", "status", "model", "model.name", "model.vocab_size"
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(field=st.sampled_from(_FIELDS), value=_json | st.sampled_from(["../x", "/etc/hostname", "decoder.plan"]))
-@example(field="options", value=None)  # found by a run: the generate model read options.max_slots unchecked
+@example(field="options", value=None)  # package reads options.max_slots: a null there is no dict
 def test_any_malformed_manifest_is_one_clear_error(scene, field, value):
     """Replace one field of a good manifest by any JSON value: every command either works (the value was
     harmless) or says what is wrong in one line; never a traceback, never a file touched outside."""

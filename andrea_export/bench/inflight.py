@@ -74,7 +74,7 @@ def record_batched(session: Session, requests: Sequence[Request], *, slots: int,
     with Batcher(session, slots=slots, prefill_chunk=prefill_chunk) as batcher:
         recording = Recording(batcher.cache)
         batcher.cache = recording  # before the first submit: the engine thread steps what it finds there
-        tickets = [batcher.submit(r, _collect(out, errors)) for r, out in zip(requests, tokens)]
+        tickets = [batcher.submit(r, _record(out, errors)) for r, out in zip(requests, tokens)]
         _wait(tickets, timeout, errors)
     return tokens, recording.runs
 
@@ -121,7 +121,7 @@ def serve_streams(session: Session, streams: int, prompt: int, new_tokens: int, 
     errors: list[str] = []
     with Batcher(session, slots=slots or streams, prefill_chunk=prefill_chunk) as batcher:
         t0 = time.perf_counter()
-        tickets = [batcher.submit(r, _clock(out, errors)) for r, out in zip(requests, times)]
+        tickets = [batcher.submit(r, _record(out, errors, stamp=True)) for r, out in zip(requests, times)]
         _wait(tickets, timeout, errors)
         rows = list(batcher.step_rows)
     tokens = sum(len(t) for t in times)
@@ -136,19 +136,12 @@ def serve_streams(session: Session, streams: int, prompt: int, new_tokens: int, 
             "steps": len(rows), "mean_rows": float(np.mean(rows)) if rows else 0.0}
 
 
-def _collect(out: list[int], errors: list[str]):
-    def emit(event: Event) -> None:  # on the engine thread: record, never block it
-        if event.token is not None:
-            out.append(event.token)
-        if event.error:
-            errors.append(event.error)
-    return emit
-
-
-def _clock(out: list[float], errors: list[str]):
+def _record(out: list, errors: list[str], stamp: bool = False):
+    """A request's callback: each token (or, with `stamp`, the time it came) into `out`, each error into `errors`.
+    It runs on the engine thread: it records, and never blocks it."""
     def emit(event: Event) -> None:
         if event.token is not None:
-            out.append(time.perf_counter())
+            out.append(time.perf_counter() if stamp else event.token)
         if event.error:
             errors.append(event.error)
     return emit

@@ -55,7 +55,9 @@ print(json.dumps({"dist": str(root / "tritonserver"), "libs": str(root.parent / 
                   "python": f"{sys.version_info[0]}.{sys.version_info[1]}", "numpy": __import__("numpy").__version__,
                   "tensorrt": version("tensorrt"), "cuda": version("cuda.bindings.runtime") is not None}))
 """
-ENGINES = ("auto", "onnxruntime", "tensorrt")  # what the generate model steps (served.ENGINES, or auto's choice)
+# what the generate model steps (served.ENGINES, spelled here: importing the triton package pulls in onnx), or
+# auto: serve_engine's choice
+ENGINES = ("auto", "onnxruntime", "tensorrt")
 
 
 ADMIN_HEADER = "andrea-admin-key"  # what Triton's restricted APIs ask of a request
@@ -147,9 +149,9 @@ def serve_engine(build_dir: str | Path, engine: str = "auto", env: str | Path | 
 
 
 def free_ports(host: str, n: int, avoid: set[int] | frozenset[int] = frozenset()) -> list[int]:
-    """`n` ports free on `host`, none in `avoid` and no two the same: all bound at once, then let go. (One at a time,
-    each socket closed before the next is bound, the system may hand back the port it just got back: Triton then
-    refused to start, its HTTP and gRPC ports the same.)"""
+    """`n` ports free on `host`, none in `avoid` and no two the same: all bound at once, then let go. (Bound one at
+    a time, each closed before the next, the system may hand out the port it just got back, and Triton given one
+    port twice does not start.)"""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with contextlib.ExitStack() as held:
         ports: list[int] = []

@@ -151,9 +151,10 @@ def test_serve_chooses_the_slot_engine_on_a_gpu_host_that_can_load_it(slot_build
         serve_engine(slot_build, "cuda")
 
 
-def test_the_serving_environments_probe_says_what_it_has_for_the_slot_engine():
-    """The real probe in the real serving environment (make serve-env): nvidia-pytriton's server, and whether
-    TensorRT and cuda-python are there (none of them in the CPU serving environment)."""
+def test_the_serving_environments_probe_says_what_it_has_for_the_slot_engine(tmp_path, monkeypatch):
+    """The real probe in the real serving environment (make serve-env): nvidia-pytriton's server, and which
+    TensorRT and whether cuda-python are there. The CPU serving environment has neither; packages put on its
+    path give their version (a `tensorrt` without a Runtime, as the bare meta-package, counts as none)."""
     try:
         python = server_mod.serve_python()
     except server_mod.ServeError as e:
@@ -164,4 +165,14 @@ def test_the_serving_environments_probe_says_what_it_has_for_the_slot_engine():
     assert Path(info["dist"], "bin", "tritonserver").is_file()
     ask = "import importlib.util as u; print(u.find_spec('tensorrt') is not None, u.find_spec('cuda') is not None)"
     found = subprocess.run([str(python), "-c", ask], capture_output=True, text=True, check=True).stdout.split()
-    assert [info["tensorrt"] is not None, info["cuda"]] == [w == "True" for w in found]
+    assert found == ["False", "False"]  # the CPU serving environment: the cases below are the stand-ins'
+    assert (info["tensorrt"], info["cuda"]) == (None, False)
+    (tmp_path / "tensorrt").mkdir()
+    (tmp_path / "tensorrt" / "__init__.py").write_text("__version__ = '10.15.1'\nclass Runtime: pass\n")
+    (tmp_path / "cuda" / "bindings").mkdir(parents=True)
+    (tmp_path / "cuda" / "bindings" / "runtime.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    info = server_mod.triton_dist(python)
+    assert (info["tensorrt"], info["cuda"]) == ("10.15.1", True)
+    (tmp_path / "tensorrt" / "__init__.py").write_text("__version__ = '10.15.1'\n")  # no Runtime: not TensorRT
+    assert server_mod.triton_dist(python)["tensorrt"] is None
