@@ -13,7 +13,9 @@ A thin layer, not a second engine: each completion is one request to the generat
 (token ids, tokenized here), its tokens passed on as they come; a client that leaves, or a stop string that
 matches, closes that request, which frees its slot at the next step. Honoured: prompt (one string or one list of
 token ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p or top_k, seed, stop (strings,
-matched in the text), stream, stream_options.include_usage, ignore_eos. Refused with a 400 naming the field: n > 1
+matched in the text), stream, stream_options.include_usage, and vLLM's ignore_eos and return_token_ids (each
+choice's token ids beside its text, the prompt's in the first; streamed, a chunk for every step, text or not).
+Refused with a 400 naming the field: n > 1
 and every other sampling field (SAMPLING_UNSUPPORTED, and echo, best_of, suffix).
 """
 
@@ -108,6 +110,7 @@ def _completion_request():
         stream_options: StreamOptions | None = None
         n: int = 1
         ignore_eos: bool = False  # vLLM's extension: run on past the end-of-text token
+        return_token_ids: bool = False  # vLLM's extension: each choice's token ids (and the prompt's) beside its text
 
     class CompletionRequest(Sampled):
         prompt: str | list[int] | list[str] | list[list[int]]
@@ -142,6 +145,7 @@ class Completion:
     stream: bool
     include_usage: bool
     messages: list[dict] | None = None
+    token_ids: bool = False  # return_token_ids: the ids beside the text, a chunk for every step's tokens
 
     @property
     def chat(self) -> bool:
@@ -200,7 +204,8 @@ def _checked(r, prompt, max_tokens: int | None) -> Completion:
     feed.update({k: v for k, v in (("top_p", r.top_p), ("top_k", r.top_k), ("seed", r.seed)) if v is not None})
     if r.ignore_eos:
         feed["ignore_eos"] = True
-    return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage))
+    return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage),
+                      token_ids=r.return_token_ids)
 
 
 @functools.cache
@@ -294,14 +299,17 @@ async def read_body(request, limits: Limits) -> dict:
 
 
 # -- the answer --------------------------------------------------------------------------------------------
-async def pieces(client, upstream: str, feed: dict, stops: list[str],
-                 eos_id: int | None = None) -> AsyncGenerator[tuple[str, int, str | None], None]:
-    """(new text, tokens, finish_reason or None) from the generate model's stream; ends at a stop string, which
-    closes the upstream request (its slot is freed at the next step). The generate model ends a request at
-    max_tokens ("length") or at the end-of-text token `eos_id`, which comes as its last token ("stop")."""
+async def pieces(client, upstream: str, feed: dict, stops: list[str], eos_id: int | None = None,
+                 every_step: bool = False) -> AsyncGenerator[tuple[str, list[int], str | None], None]:
+    """(new text, its token ids, finish_reason or None) from the generate model's stream; ends at a stop string,
+    which closes the upstream request (its slot is freed at the next step). The generate model ends a request at
+    max_tokens ("length") or at the end-of-text token `eos_id`, which comes as its last token ("stop"). A token
+    whose bytes end no character waits for the next piece of text, unless `every_step` (return_token_ids: the
+    ids of each step come as they are made, with the text that is ready, maybe none)."""
     import httpx
 
-    text, count, sent, keep = "", 0, 0, max((len(s) for s in stops), default=1) - 1
+    text, sent, keep = "", 0, max((len(s) for s in stops), default=1) - 1
+    pending: list[int] = []  # ids not yet passed on
     last = None
     try:
         async with client.stream("POST", upstream, json=feed) as resp:
@@ -315,20 +323,20 @@ async def pieces(client, upstream: str, feed: dict, stops: list[str],
                     raise FrontError(str(doc["error"]))
                 ids = doc.get("output_ids", [])
                 ids = ids if isinstance(ids, list) else [ids]
-                count, last = count + len(ids), ids[-1] if ids else last
+                pending, last = pending + ids, ids[-1] if ids else last
                 text += doc.get("text_output", "")
                 hit = min((i for s in stops if (i := text.find(s, max(0, sent - keep))) >= 0), default=-1)
                 if hit >= 0:
-                    yield text[sent:hit], count, "stop"
+                    yield text[sent:hit], pending, "stop"
                     return
-                safe = len(text) - keep if stops else len(text)  # hold back what could start a stop string
-                if safe > sent:
-                    yield text[sent:safe], count, None
-                    sent, count = safe, 0
+                safe = max(sent, len(text) - keep if stops else len(text))  # hold back what could start a stop
+                if safe > sent or (every_step and pending):
+                    yield text[sent:safe], pending, None
+                    sent, pending = safe, []
     except httpx.HTTPError as e:
         raise FrontError(f"the Triton server did not answer: {e}", 502) from None
     ended_at_eos = eos_id is not None and last == eos_id and not feed.get("ignore_eos")
-    yield text[sent:], count, "stop" if ended_at_eos else "length"
+    yield text[sent:], pending, "stop" if ended_at_eos else "length"
 
 
 def _upstream_error(body: bytes) -> str:
@@ -344,22 +352,31 @@ class _Shape:
     """The objects of one answer, as OpenAI's API shapes them: a completion's text_completion (whole or each
     event of its stream), a chat's chat.completion or chat.completion.chunk (the first delta with the role)."""
 
-    def __init__(self, model: str, chat: bool):
+    def __init__(self, model: str, chat: bool, prompt_ids: list[int] | None = None):
         self.chat, self.started = chat, False
+        self.prompt_ids = prompt_ids  # return_token_ids: the prompt's ids in the first choice, each choice's own
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model}
 
-    def piece(self, text: str, finish: str | None) -> dict:
+    def piece(self, text: str, finish: str | None, ids: list[int]) -> dict:
+        ids_of = self._ids(ids, first=not self.started)
         if not self.chat:
-            return self._doc("text_completion", {"text": text, "finish_reason": finish})
+            self.started = True
+            return self._doc("text_completion", {"text": text, "finish_reason": finish, **ids_of})
         delta = {"content": text} if self.started else {"role": "assistant", "content": text}
         self.started = True
-        return self._doc("chat.completion.chunk", {"delta": delta, "finish_reason": finish})
+        return self._doc("chat.completion.chunk", {"delta": delta, "finish_reason": finish, **ids_of})
 
-    def whole(self, text: str, finish: str | None, usage: dict) -> dict:
+    def whole(self, text: str, finish: str | None, usage: dict, ids: list[int]) -> dict:
         choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
-        return {**self._doc("chat.completion" if self.chat else "text_completion", {**choice, "finish_reason": finish}),
-                "usage": usage}
+        return {**self._doc("chat.completion" if self.chat else "text_completion",
+                            {**choice, "finish_reason": finish, **self._ids(ids, first=True)}), "usage": usage}
+
+    def _ids(self, ids: list[int], first: bool) -> dict:
+        """vLLM's return_token_ids fields: the choice's token ids, and the prompt's in the first choice."""
+        if self.prompt_ids is None:
+            return {}
+        return {"token_ids": ids, **({"prompt_token_ids": self.prompt_ids} if first else {})}
 
     def usage(self, usage: dict) -> dict:
         """The last event of a stream that asked for usage (stream_options.include_usage): no choices."""
@@ -428,8 +445,8 @@ async def _metered(tokens, m: Metrics, t0: float, prompt_tokens: int, state: dic
     m.prompt_tokens.inc(prompt_tokens)
     last, ended = None, False
     try:
-        async for text, n, finish in tokens:
-            now = time.monotonic()
+        async for text, ids, finish in tokens:
+            now, n = time.monotonic(), len(ids)
             if n:
                 if last is None:
                     m.ttft.observe(now - t0)
@@ -442,7 +459,7 @@ async def _metered(tokens, m: Metrics, t0: float, prompt_tokens: int, state: dic
                 ended = True
                 m.success.labels(finish).inc()
                 m.e2e.observe(now - t0)
-            yield text, n, finish
+            yield text, ids, finish
     except (GeneratorExit, asyncio.CancelledError):
         if not ended:  # closed before its end: its client left
             m.cancelled.inc()
@@ -536,14 +553,14 @@ async def _answer(request, c: Completion, model: Model, upstream: str, limits: L
     except BaseException:
         state["in_flight"] -= 1  # _metered, which gives it back otherwise, never started
         raise
-    tokens = _metered(pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id),
-                      metrics, t0, len(ids), state)
+    tokens = _metered(pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id,
+                             every_step=c.token_ids), metrics, t0, len(ids), state)
     try:
         first = await anext(tokens)  # an upstream error comes before any token: answer it as an error
     except BaseException:
         await tokens.aclose()
         raise
-    shape = _Shape(model.name, c.chat)
+    shape = _Shape(model.name, c.chat, ids if c.token_ids else None)
     if c.stream:
         return StreamingResponse(_events(shape, first, tokens, len(ids), c.include_usage, metrics),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -588,28 +605,28 @@ def _key_check(api_key: str | None):
 
 async def _whole(request, shape: _Shape, first: tuple, answer, prompt_tokens: int) -> dict:
     """The completion in one JSON answer, with its usage; a client that leaves first ends the upstream request."""
-    text, count, finish = first
+    text, ids, finish = first
     try:
-        async for t, n, f in answer:
-            text, count, finish = text + t, count + n, f or finish
+        async for t, more, f in answer:
+            text, ids, finish = text + t, ids + more, f or finish
             if await request.is_disconnected():
                 raise FrontError("the client left", 499)
     finally:
         await answer.aclose()
-    return shape.whole(text, finish, _usage(prompt_tokens, count))
+    return shape.whole(text, finish, _usage(prompt_tokens, len(ids)), ids)
 
 
 async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, include_usage: bool,
                   metrics: Metrics) -> AsyncIterator[bytes]:
     """The completion as server-sent events: each piece as it comes, the finish reason on the last, usage after
     it when asked, then [DONE]; an error after the first token is one final error event."""
-    count = first[1]
+    count = len(first[1])
     try:
-        yield _event(shape.piece(first[0], first[2]))
+        yield _event(shape.piece(first[0], first[2], first[1]))
         if first[2] is None:
-            async for text, n, finish in answer:
-                count += n
-                yield _event(shape.piece(text, finish))
+            async for text, ids, finish in answer:
+                count += len(ids)
+                yield _event(shape.piece(text, finish, ids))
         if include_usage:
             yield _event(shape.usage(_usage(prompt_tokens, count)))
     except FrontError as e:

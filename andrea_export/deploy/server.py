@@ -228,6 +228,7 @@ class Server:
         self.admin_key = admin_key  # the ADMIN_HEADER value Triton's restricted APIs ask for (admin_headers)
         self.front: Any = None  # openai_front.Front, when started
         self.front_host = host
+        self.served_model = model  # the name the front serves it as (--served-model-name)
         self.engine: tuple[str, str] | None = None  # (what the generate model steps, why), when start() chose it
 
     def admin_headers(self, kind: str = "http") -> dict[str, str]:
@@ -351,7 +352,7 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
                                    access_log=opts.access_log, drain_timeout_s=drain_timeout)
     except OSError as e:
         raise ServeError(f"the OpenAI front cannot listen on {opts.host}:{opts.port}: {e.strerror or e}") from None
-    server.ports["openai"], server.front_host = server.front.port, opts.host
+    server.ports["openai"], server.front_host, server.served_model = server.front.port, opts.host, model.name
 
 
 def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", http_port: int = 8000,

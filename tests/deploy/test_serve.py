@@ -259,6 +259,35 @@ def test_the_openai_client_gets_the_same_completions(server, ours, demo_dir):
         client.completions.create(model=server.model, prompt="x", max_tokens=4, n=2)
 
 
+def test_return_token_ids_gives_each_steps_ids_beside_the_text(server, ours, demo_dir):
+    """vLLM's return_token_ids: the ids the runtime generates, the prompt's in the first choice, and streamed a
+    chunk for every step (text or not), whose ids join to the whole; the text is what it is without it."""
+    openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
+    from andrea_export.model.text import encode, load_tokenizer
+
+    tok = load_tokenizer(demo_dir / "tokenizer.json")
+    prompt = encode(tok, "Create a new")
+    want = [int(t) for t in ours.generate(prompt, 12)]
+    client = openai.OpenAI(base_url=server.endpoints()["openai"], api_key="unused", max_retries=0)
+    ask = dict(model=server.model, prompt="Create a new", max_tokens=12, temperature=0,
+               extra_body={"return_token_ids": True})
+    r = client.completions.create(**ask)
+    assert r.choices[0].token_ids == want and r.choices[0].prompt_token_ids == prompt
+    assert r.choices[0].text == tok.decode(want)
+    chunks = list(client.completions.create(**ask, stream=True))
+    # a chunk a step, then the finish reason (known when the generate model's stream ends) with no ids
+    assert [len(c.choices[0].token_ids) for c in chunks] == [1] * 12 + [0]
+    assert [t for c in chunks for t in c.choices[0].token_ids] == want
+    assert chunks[0].choices[0].prompt_token_ids == prompt
+    assert all(getattr(c.choices[0], "prompt_token_ids", None) is None for c in chunks[1:])
+    assert "".join(c.choices[0].text for c in chunks) == tok.decode(want)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    plain = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0)
+    assert getattr(plain.choices[0], "token_ids", None) is None
+    with pytest.raises(openai.BadRequestError, match="return_token_ids"):
+        client.completions.create(model=server.model, prompt="x", max_tokens=2, extra_body={"return_token_ids": "yes"})
+
+
 @pytest.fixture(scope="module")
 def eos_build(demo_dir, tmp_path_factory):
     """The demo's weights with a tokenizer whose end of text has the newline's id (the two ids swapped): the
