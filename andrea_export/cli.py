@@ -760,10 +760,13 @@ def train_demo(out, seed, steps, threads):
                    "found. On a 2-core machine aiperf's processes take the cores the server needs: use own there.")
 @click.option("--serve-step-tokens", type=click.IntRange(17), default=None,
               help="The servers' --step-tokens (their 16 slots decode first); default: none.")
+@click.option("--serve-route-rounds", type=click.IntRange(0), default=3, show_default=True,
+              help="What the OpenAI front costs, at the top level (our own client, in-flight): the same requests "
+                   "through the front and straight to Triton, interleaved for this many rounds (0: not measured).")
 @_user_errors
 def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill_grid, decode_grid, generate_grid,
           trt_engines, out, spin, compare, serve_builds, serve_levels, serve_per_client, serve_soak, serve_load,
-          serve_step_tokens):
+          serve_step_tokens, serve_route_rounds):
     """Latency of PyTorch eager, ONNX Runtime and TensorRT on the same weights and inputs, each figure beside
     the machine's own limits (memory bandwidth, matmul rate) measured in the same run.
 
@@ -786,7 +789,7 @@ def bench(checkpoint, config, seed, quick, backends, scenarios, threads, prefill
         if not levels or min(levels) < 1:
             raise click.BadParameter("at least one client count, each >= 1", param_hint="--serve-levels")
         run_serve_benchmark(builds, levels=levels, per_client=serve_per_client, soak=serve_soak, load=serve_load,
-                            step_tokens=serve_step_tokens, out=out)
+                            step_tokens=serve_step_tokens, route_rounds=serve_route_rounds, out=out)
         click.echo(f"report: {out / 'serve.md'}; serve.json and serve.png beside it")
         return
     if compare:

@@ -22,8 +22,11 @@ The load generator is NVIDIA's aiperf (PyPI; its own environment: `make bench-en
 driving the OpenAI front's /v1/completions with streaming, C concurrent clients, synthetic prompts of a
 mean and spread of tokens (our tokenizer's) and as many output tokens: time to first token, the gaps
 between streamed chunks (inter_chunk_latency: every gap, pooled) and output tokens/s are aiperf's. Without
-aiperf, our own small client does the same on /generate_stream (http.client, one thread per client) and
-the document says which ran. genai-perf is on PyPI too but needs Triton's perf_analyzer binary, which PyPI
+aiperf, our own small client does the same on the front's /v1/completions (http.client, one thread per
+client; each chunk with its token ids, vLLM's return_token_ids) and the document says which ran.
+Clients reach the server through the front, so the load goes through it; what the front costs is measured
+beside, at the top level: the same requests through it and straight to Triton's /generate_stream,
+interleaved (compare_routes). genai-perf is on PyPI too but needs Triton's perf_analyzer binary, which PyPI
 does not serve. The server's resident memory is ours either way (/proc, after each level).
 """
 
@@ -50,33 +53,51 @@ def make_requests(n: int, vocab: int, prompt=(16, 128), output=(16, 128), seed: 
              int(rng.integers(output[0], output[1] + 1))) for _ in range(n)]
 
 
-def stream_one(host: str, port: int, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """One streaming request: arrival time of each token (seconds from the send), or the error."""
+ROUTES = ("front", "triton")  # the OpenAI front clients take; Triton's /generate_stream, straight to the batcher
+
+
+def stream_one(server, route: str, prompt: list[int], max_tokens: int) -> dict:
+    """One streaming request of exactly `max_tokens` tokens (ignore_eos) on `route`: when each step's tokens
+    arrived (seconds from the send: through the front, its chunks with token ids, vLLM's return_token_ids, so
+    that a build without a tokenizer streams too and a token whose bytes end no character is not merged with
+    the next one), the tokens generated, or the error."""
+    front = route == "front"
+    if front:
+        host, port, path = server.front_host, server.ports["openai"], "/v1/completions"
+        body = {"model": server.served_model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                "stream": True, "ignore_eos": True, "return_token_ids": True}
+    else:
+        host, port, path = server.host, server.ports["http"], f"/v2/models/{server.model}/generate_stream"
+        body = {"input_ids": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True}
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection(host, port, timeout=600)
+    times: list[float] = []
+    tokens = 0
     try:
-        conn.request("POST", f"/v2/models/{model}/generate_stream",
-                     json.dumps({"input_ids": prompt, "max_tokens": max_tokens, "stream": True}),
-                     {"Content-Type": "application/json"})
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
         if resp.status != 200:
-            return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}", "times": []}
-        times: list[float] = []
+            return {"error": f"HTTP {resp.status}: {resp.read()[:200]!r}", "times": [], "tokens": 0}
         for line in resp:
-            if line.startswith(b"data: "):
-                doc = json.loads(line[6:])
-                if "error" in doc:
-                    return {"error": str(doc["error"]), "times": times}
+            if not line.startswith(b"data: ") or line.strip() == b"data: [DONE]":
+                continue
+            doc = json.loads(line[6:])
+            if "error" in doc:
+                return {"error": str(doc["error"]), "times": times, "tokens": tokens}
+            ids = doc["choices"][0]["token_ids"] if front else doc.get("output_ids", [])
+            ids = ids if isinstance(ids, list) else [ids]
+            if ids:
                 times.append(time.perf_counter() - t0)
-        return {"error": None, "times": times}
+                tokens += len(ids)
+        return {"error": None, "times": times, "tokens": tokens}
     except OSError as e:
-        return {"error": f"{type(e).__name__}: {e}", "times": []}
+        return {"error": f"{type(e).__name__}: {e}", "times": [], "tokens": 0}
     finally:
         conn.close()
 
 
-def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]]) -> dict:
-    """`concurrency` closed-loop clients over `requests`; the level's figures."""
+def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]], route: str = "front") -> dict:
+    """`concurrency` closed-loop clients over `requests` on `route` (ROUTES); the level's figures."""
     todo = list(enumerate(requests))
     lock = threading.Lock()
     results: list[dict | None] = [None] * len(requests)
@@ -101,7 +122,7 @@ def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]
         while job is not None:
             i, (prompt, n) = job
             sent = time.perf_counter()
-            results[i] = dict(stream_one(server.host, server.ports["http"], server.model, prompt, n), sent=sent)
+            results[i] = dict(stream_one(server, route, prompt, n), sent=sent)
             job = next_request()
         ran_out.append(time.perf_counter())
 
@@ -119,20 +140,38 @@ def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]
     steady = [r for i, r in enumerate(results) if r is not None and i not in firsts] or done
     ttft = [r["times"][0] for r in steady if r["times"]]
     itl = [b - a for r in steady for a, b in zip(r["times"], r["times"][1:])]
-    tokens = sum(len(r["times"]) for r in done)
+    tokens = sum(r["tokens"] for r in done)
     pct = lambda xs, q: float(np.percentile(xs, q)) * 1e3 if xs else float("nan")  # noqa: E731
     every = [r["times"][0] for r in done if r["times"]]
     # Throughput while every client streams: from the start until the first client runs out of requests.
     # After that fewer streams share the steps (the level's tail: with a few requests per client, the
     # longest client's last request runs nearly alone), which the level's own tokens/s averages in.
     full_s = (min(ran_out) - t0) if ran_out and len(ran_out) == concurrency else wall
-    in_full = sum(r["sent"] + t - t0 <= full_s for r in done for t in r["times"])
-    return {"concurrency": concurrency, "requests": len(requests), "errors": len(errors), "first_error": errors[:1],
+    # a request's tokens in that time: its share of its chunks that came in it (a chunk carries a token or more)
+    in_full = sum(r["tokens"] * sum(r["sent"] + t - t0 <= full_s for t in r["times"]) / len(r["times"])
+                  for r in done if r["times"])
+    return {"concurrency": concurrency, "route": route, "requests": len(requests), "errors": len(errors), "first_error": errors[:1],
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "latency_requests": len(steady),
             "full_s": full_s, "tokens_per_s_full": in_full / full_s if full_s > 0 else float("nan"),
             "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)}, "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
             "ttft_all_ms": {"p50": pct(every, 50), "p99": pct(every, 99)},
             "rss_mb": server_rss(server.process.pid) / 2**20}
+
+
+def compare_routes(server, concurrency: int, requests: Sequence[tuple[list[int], int]], rounds: int = 3) -> dict:
+    """What the front costs: the same requests at `concurrency` through the OpenAI front and straight to
+    Triton's /generate_stream, interleaved (which goes first alternates by round: this VM's speed drifts within
+    minutes), and the medians of the per-round ratios front / straight."""
+    pairs = []
+    for k in range(rounds):
+        order = ROUTES if k % 2 == 0 else ROUTES[::-1]
+        pairs.append({route: run_level(server, concurrency, requests, route) for route in order})
+
+    def ratio(figure) -> float:
+        return float(np.median([figure(p["front"]) / figure(p["triton"]) for p in pairs]))
+
+    return {"concurrency": concurrency, "rounds": pairs, "errors": sum(p[r]["errors"] for p in pairs for r in ROUTES),
+            "x_tokens_per_s": ratio(streaming_rate), "x_itl_p99": ratio(lambda r: r["itl_ms"]["p99"])}
 
 
 def step_ms(build: str | Path, rows: Sequence[int], prompt: int, held: int = 100,
@@ -186,7 +225,7 @@ def run_level_aiperf(aiperf: str, server, build: Path, concurrency: int, count: 
     import subprocess
 
     art = workdir / f"aiperf-{server.model}-{concurrency}-{time.monotonic_ns()}"
-    cmd = [aiperf, "profile", "--model", server.model, "--url", f"http://{server.front_host}:{server.ports['openai']}",
+    cmd = [aiperf, "profile", "--model", server.served_model, "--url", f"http://{server.front_host}:{server.ports['openai']}",
            "--endpoint-type", "completions", "--streaming", "--concurrency", str(concurrency),
            "--request-count", str(count), "--tokenizer", str(build), "--random-seed", "0",
            "--synthetic-input-tokens-mean", str(isl[0]), "--synthetic-input-tokens-stddev", str(isl[1]),
@@ -234,10 +273,12 @@ def server_rss(pid: int) -> int:
 def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] = LEVELS, modes: Sequence[str] = MODES,
                         per_client: int = 3, slots: int = 16, prefill_chunk: int = 64,
                         step_tokens: int | None = None, soak: int = 0, lengths: tuple[int, int] = (16, 128),
-                        load: str = "auto", out: str | Path | None = None, env=None, log=print) -> dict:
+                        load: str = "auto", route_rounds: int = 3, out: str | Path | None = None, env=None,
+                        log=print) -> dict:
     """Every build x mode x level; prompt and output lengths in `lengths` (tokens); `load`: "aiperf", "own"
-    or "auto" (aiperf when found). `soak` > 0: that many short requests at the top level on the first build
-    (in-flight), with memory after the first 100 and at the end. Writes serve.json, serve.md and serve.png
+    or "auto" (aiperf when found); both drive the OpenAI front. `route_rounds` > 0 (our own client): the
+    front's cost at the top level, in-flight (compare_routes). `soak` > 0: that many short requests at the
+    top level on the first build (in-flight), with memory after the first 100 and at the end. Writes serve.json, serve.md and serve.png
     into `out` when given; returns the document."""
     import tempfile
 
@@ -249,7 +290,7 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
         raise RuntimeError(f"aiperf not found (make bench-env, or set ${AIPERF_VAR})")
     doc: dict = {"environment": environment(), "settings": {"levels": list(levels), "modes": list(modes), "slots": slots,
                                                              "prefill_chunk": prefill_chunk, "step_tokens": step_tokens,
-                                                             "per_client": per_client,
+                                                             "per_client": per_client, "route_rounds": route_rounds,
                                                              "lengths": list(lengths),
                                                              "load": "aiperf " + aiperf if aiperf else "own client"},
                  "runs": []}
@@ -265,7 +306,7 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
         log(f"{label}: in-process decode step " + ", ".join(f"{k} rows {v:.1f} ms" for k, v in steps.items())
             + f"; a lone prefill of {hi} tokens {prefill:.1f} ms")
         for mode in modes:
-            with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0 if aiperf else None,
+            with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0,
                        slots=1 if mode == "serial" else slots, prefill_chunk=prefill_chunk,
                        step_tokens=step_tokens if mode != "serial" else None,
                        admit="whole" if mode == "whole" else "in-flight", env=env,
@@ -289,6 +330,13 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
                     one["again_tokens_per_s"] = streaming_rate(again)
                     log(f"{label:6s} {mode:9s} x1 again {one['again_tokens_per_s']:7.1f} tok/s "
                         f"(first {streaming_rate(one):.1f}; the base: their mean)")
+                if route_rounds and mode == "in-flight" and not aiperf:
+                    c = max(levels)
+                    comp = compare_routes(server, c, make_requests(max(8, c * per_client), vocab, (lo, hi), (lo, hi),
+                                                                   seed=c), route_rounds)
+                    doc.setdefault("routes", {})[label] = comp
+                    log(f"{label:6s} front / straight to Triton at {c} streams, median of {route_rounds} rounds: "
+                        f"tokens/s {comp['x_tokens_per_s']:.3f}x, ITL p99 {comp['x_itl_p99']:.3f}x")
                 if soak and mode == "in-flight" and label == next(iter(builds)):
                     doc["soak"] = _soak(server, soak, vocab, max(levels), log)
     doc["goals"] = serve_goals(doc)
@@ -352,6 +400,13 @@ def serve_goals(doc: dict) -> list[dict]:
                 got = r16["ttft_ms"]["p99"] / one["ttft_ms"]["p50"]
                 goals.append({"goal": f"{build}: (reference) time to first token p99 at 16 (steady) against a served "
                                       f"lone request's median", "value": round(got, 2), "met": None})
+    for build, comp in doc.get("routes", {}).items():
+        c, n = comp["concurrency"], len(comp["rounds"])
+        goals.append({"goal": f"{build}: through the front, tokens/s at {c} streams >= 0.95x straight to Triton "
+                              f"(median of {n} interleaved rounds)", "value": round(comp["x_tokens_per_s"], 3),
+                      "met": comp["x_tokens_per_s"] >= 0.95 and comp["errors"] == 0})
+        goals.append({"goal": f"{build}: through the front, inter-token p99 at {c} streams <= 1.2x straight to Triton",
+                      "value": round(comp["x_itl_p99"], 3), "met": comp["x_itl_p99"] <= 1.2 and comp["errors"] == 0})
     if s := doc.get("soak"):
         goals.append({"goal": f"soak: {s['requests']} requests without an error, RSS within 10 % of after the first 100",
                       "value": f"{s['errors']} errors, {s['rss_growth']:+.1%}", "met": s["errors"] == 0 and abs(s["rss_growth"]) <= 0.10})
@@ -383,6 +438,18 @@ def write_serve_report(doc: dict, out: Path) -> None:
                      f"{r['tokens_per_s']:.1f} | {ratio:.2f} | "
                      f"{r.get('ideal_x', float('nan')):.2f} | {r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | "
                      f"{start:.0f} | {r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | {r['rss_mb']:.0f} | {r['errors']} |")
+    if doc.get("routes"):
+        lines += ["", "The front's cost: the same requests through the OpenAI front (`front`) and straight to Triton's "
+                  "/generate_stream (`triton`), interleaved by round, the order alternating; ITL is every gap between "
+                  "two steps' tokens on both routes.", "",
+                  "| build | clients | round | route | tokens/s C streaming | TTFT p50 / p99 ms | ITL p50 / p99 ms | errors |",
+                  "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: |"]
+        for build, comp in doc["routes"].items():
+            for k, pair in enumerate(comp["rounds"], 1):
+                for route, r in pair.items():
+                    lines.append(f"| {build} | {comp['concurrency']} | {k} | {route} | {streaming_rate(r):.1f} | "
+                                 f"{r['ttft_ms']['p50']:.0f} / {r['ttft_ms']['p99']:.0f} | "
+                                 f"{r['itl_ms']['p50']:.1f} / {r['itl_ms']['p99']:.1f} | {r['errors']} |")
     lines += ["", "| goal | measured | met |", "| --- | ---: | --- |"]
     met = {True: "yes", False: "NO", None: "-"}
     lines += [f"| {g['goal']} | {g['value']} | {met[g['met']]} |" for g in doc["goals"]]

@@ -18,11 +18,26 @@ def test_the_serve_benchmark_runs_levels_and_modes_and_writes_its_report(lively_
     except serve_module.ServeError as e:
         pytest.skip(f"no serving environment here ({e}); `make serve-env` makes it (CI does)")
     doc = bench_serve.run_serve_benchmark({"tiny": lively_build}, levels=(1, 4), modes=("in-flight", "serial"),
-                                          per_client=2, slots=4, load="own", soak=120, out=tmp_path, log=lambda *_: None)
+                                          per_client=2, slots=4, load="own", soak=120, route_rounds=2, out=tmp_path,
+                                          log=lambda *_: None)
     runs = {(r["mode"], r["concurrency"]): r for r in doc["runs"]}
     assert set(runs) == {("in-flight", 1), ("in-flight", 4), ("serial", 1), ("serial", 4)}
     for r in runs.values():
         assert r["errors"] == 0 and r["tokens"] > 0 and r["rss_mb"] > 10 and r["ttft_ms"]["p50"] > 0
+        assert r["route"] == "front"
+    # through the front, every request gets exactly its max_tokens (the stream's usage, ignore_eos)
+    cfg = json.loads((lively_build / "manifest.json").read_text())["model"]
+    lo, hi = min(16, cfg["n_positions"] // 4), min(128, cfg["n_positions"] // 4)  # the levels' lengths
+    asked = bench_serve.make_requests(8, cfg["vocab_size"], (lo, hi), (lo, hi), seed=4)
+    assert runs["in-flight", 4]["tokens"] == sum(n for _, n in asked)
+    # the front's cost: both routes, interleaved, the same tokens on each
+    comp = doc["routes"]["tiny"]
+    assert comp["concurrency"] == 4 and comp["errors"] == 0 and len(comp["rounds"]) == 2
+    assert [list(p) for p in comp["rounds"]] == [["front", "triton"], ["triton", "front"]]
+    for pair in comp["rounds"]:
+        assert pair["front"]["tokens"] == pair["triton"]["tokens"] == sum(n for _, n in asked)
+        assert pair["triton"]["route"] == "triton" and pair["triton"]["itl_ms"]["p99"] > 0
+    assert comp["x_tokens_per_s"] > 0 and comp["x_itl_p99"] > 0
     assert runs["in-flight", 4]["requests"] == 8 and doc["settings"]["load"] == "own client"
     assert runs["in-flight", 1]["again_tokens_per_s"] > 0 and "again_tokens_per_s" not in runs["in-flight", 4]
     # latencies without each client's first request (the start's burst); the burst's TTFT kept beside
@@ -33,8 +48,10 @@ def test_the_serve_benchmark_runs_levels_and_modes_and_writes_its_report(lively_
     assert set(steps) == {"1", "4"} and runs["in-flight", 4]["ideal_x"] == pytest.approx(4 * steps["1"] / steps["4"], rel=0.2)
     assert doc["soak"]["requests"] == 120 and doc["soak"]["errors"] == 0
     goals = {g["goal"] for g in doc["goals"]}
-    assert not any("inter-token p99" in g for g in goals)  # no 16-stream level in this run
+    assert not any("inter-token p99 at 16 streams <= 2x" in g for g in goals)  # no 16-stream level in this run
     assert any(g.startswith("soak:") for g in goals)
+    assert any(g.startswith("tiny: through the front, tokens/s at 4 streams >= 0.95x straight") for g in goals)
+    assert "| tiny | 4 | 2 | front |" in (tmp_path / "serve.md").read_text()
     saved = json.loads((tmp_path / "serve.json").read_text())
     assert saved["runs"] == json.loads(json.dumps(doc["runs"]))
     assert "| tiny | in-flight | 4 |" in (tmp_path / "serve.md").read_text() and (tmp_path / "serve.png").stat().st_size > 0
@@ -59,7 +76,7 @@ def test_every_client_holds_its_first_request_before_any_streams(monkeypatch):
 
     monkeypatch.setattr(bench_serve, "threading", types.SimpleNamespace(Thread=LateThread, Lock=threading.Lock,
                                                                         Barrier=threading.Barrier))
-    monkeypatch.setattr(bench_serve, "stream_one", lambda *a: {"error": None, "times": [0.001, 0.002]})
+    monkeypatch.setattr(bench_serve, "stream_one", lambda *a: {"error": None, "times": [0.001, 0.002], "tokens": 2})
     monkeypatch.setattr(bench_serve, "server_rss", lambda pid: 2**20)
     server = types.SimpleNamespace(host="127.0.0.1", ports={"http": 0}, model="m", process=types.SimpleNamespace(pid=0))
     level = bench_serve.run_level(server, 4, [([1, 2], 2)] * 8)
@@ -75,9 +92,9 @@ def test_throughput_is_taken_while_every_client_streams(monkeypatch):
     level's rate averages the lone tail in. Streams here: 10 tokens 10 ms apart; the third runs alone."""
     import types
 
-    def stream(host, port, model, prompt, n):
+    def stream(server, route, prompt, n):
         time.sleep(0.01 * n)
-        return {"error": None, "times": [0.01 * (k + 1) for k in range(n)]}
+        return {"error": None, "times": [0.01 * (k + 1) for k in range(n)], "tokens": n}
 
     monkeypatch.setattr(bench_serve, "stream_one", stream)
     monkeypatch.setattr(bench_serve, "server_rss", lambda pid: 2**20)
@@ -88,6 +105,48 @@ def test_throughput_is_taken_while_every_client_streams(monkeypatch):
     assert level["tokens_per_s_full"] == pytest.approx(200, rel=0.35)  # two streams of 100 tokens/s
     assert level["tokens_per_s"] == pytest.approx(150, rel=0.35)  # the tail at one stream's rate
     assert bench_serve.streaming_rate(level) == level["tokens_per_s_full"]
+
+
+def test_a_chunk_may_carry_several_tokens(monkeypatch):
+    """A stream may have fewer chunks than tokens (a step of several tokens; text pieces merged): the level
+    counts the stream's tokens, and the streaming rate each request's tokens in proportion to its chunks that
+    came while every client streamed."""
+    import types
+
+    def stream(server, route, prompt, n):
+        time.sleep(0.01 * n)
+        return {"error": None, "times": [0.02 * (k + 1) for k in range(n // 2)], "tokens": n}
+
+    monkeypatch.setattr(bench_serve, "stream_one", stream)
+    monkeypatch.setattr(bench_serve, "server_rss", lambda pid: 2**20)
+    server = types.SimpleNamespace(host="127.0.0.1", ports={"http": 0}, model="m", process=types.SimpleNamespace(pid=0))
+    level = bench_serve.run_level(server, 2, [([1], 10), ([1], 10), ([1], 10)])
+    assert level["tokens"] == 30
+    assert level["tokens_per_s_full"] == pytest.approx(200, rel=0.35)
+    assert level["itl_ms"]["p50"] == pytest.approx(20, rel=0.01)  # the gaps between chunks, as a client sees them
+
+
+def test_the_fronts_cost_is_measured_interleaved_and_taken_as_the_median_of_rounds(monkeypatch):
+    """compare_routes runs the same requests on both routes each round, the order alternating (the machine
+    drifts), and takes the median of the per-round ratios: a round where the machine slowed for both routes
+    moves neither ratio."""
+    calls = []
+    speed = {0: 1.0, 1: 0.5, 2: 1.0}  # the second round on a machine twice as slow, for both routes
+
+    def level(server, c, requests, route):
+        k = len(calls) // 2
+        calls.append(route)
+        rate = 100.0 * speed[k] * (0.9 if route == "front" else 1.0)
+        return {"route": route, "errors": 0, "tokens_per_s": rate, "itl_ms": {"p50": 1.0, "p99": 10 / speed[k]
+                                                                            * (1.5 if route == "front" else 1.0)}}
+
+    monkeypatch.setattr(bench_serve, "run_level", level)
+    comp = bench_serve.compare_routes(object(), 16, [([1], 4)], rounds=3)
+    assert calls == ["front", "triton", "triton", "front", "front", "triton"]
+    assert comp["x_tokens_per_s"] == pytest.approx(0.9) and comp["x_itl_p99"] == pytest.approx(1.5)
+    goals = {g["goal"].split(" (")[0]: g for g in bench_serve.serve_goals({"runs": [], "routes": {"b": comp}})}
+    assert goals["b: through the front, tokens/s at 16 streams >= 0.95x straight to Triton"]["met"] is False
+    assert goals["b: through the front, inter-token p99 at 16 streams <= 1.2x straight to Triton"]["met"] is False
 
 
 def test_the_first_token_goal_is_against_a_lone_prefill_of_the_longest_prompt_plus_one_step():
