@@ -654,6 +654,8 @@ class Front:
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name="andrea-openai-front", daemon=True)
+        self.refusals = _CapRefusals(app.state.metrics, self.thread)
+        logging.getLogger(_CapRefusals.LOGGER).addFilter(self.refusals)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
@@ -671,6 +673,24 @@ class Front:
             self.thread.join(5)
         with contextlib.suppress(OSError):
             self.socket.close()
+        logging.getLogger(_CapRefusals.LOGGER).removeFilter(self.refusals)
+
+
+class _CapRefusals(logging.Filter):
+    """Counts the connections uvicorn refuses beyond max_connections among the front's errors (503). uvicorn
+    answers those itself, before any middleware of ours runs (a connection whose headers never end holds its
+    place too), and says so only in a warning on its logger; the warnings of this front's thread are its own."""
+
+    LOGGER, MESSAGE = "uvicorn.error", "Exceeded concurrency limit."
+
+    def __init__(self, metrics: Metrics, thread: threading.Thread):
+        super().__init__()
+        self.metrics, self.thread = metrics, thread
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread == self.thread.ident and record.getMessage() == self.MESSAGE:
+            self.metrics.errors.labels("503").inc()
+        return True
 
 
 class _AccessLog:
