@@ -13,7 +13,8 @@ A thin layer, not a second engine: each completion is one request to the generat
 (token ids, tokenized here), its tokens passed on as they come; a client that leaves, or a stop string that
 matches, closes that request, which frees its slot at the next step. Honoured: prompt (one string or one list of
 token ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p or top_k, seed, stop (strings,
-matched in the text), stream, stream_options.include_usage, and vLLM's ignore_eos and return_token_ids (each
+matched in the text), stream, stream_options.include_usage (and vLLM's continuous_usage_stats: the usage so far
+in every chunk), and vLLM's ignore_eos and return_token_ids (each
 choice's token ids beside its text, the prompt's in the first; streamed, a chunk for every step, text or not).
 Refused with a 400 naming the field: n > 1
 and every other sampling field (SAMPLING_UNSUPPORTED, and echo, best_of, suffix).
@@ -97,6 +98,7 @@ def _completion_request():
     class StreamOptions(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
         include_usage: bool = False
+        continuous_usage_stats: bool = False  # vLLM's: with include_usage, the usage so far in every chunk
 
     class Sampled(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
@@ -131,7 +133,7 @@ def _completion_request():
         max_tokens: Annotated[int, Field(ge=1)] | None = None  # none: the rest of the context
         max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
-    return CompletionRequest, ChatRequest
+    return CompletionRequest, ChatRequest, StreamOptions
 
 
 @dataclasses.dataclass
@@ -144,6 +146,7 @@ class Completion:
     stops: list[str]
     stream: bool
     include_usage: bool
+    usage_every_chunk: bool = False  # stream_options.continuous_usage_stats, with include_usage
     messages: list[dict] | None = None
     token_ids: bool = False  # return_token_ids: the ids beside the text, a chunk for every step's tokens
 
@@ -204,8 +207,9 @@ def _checked(r, prompt, max_tokens: int | None) -> Completion:
     feed.update({k: v for k, v in (("top_p", r.top_p), ("top_k", r.top_k), ("seed", r.seed)) if v is not None})
     if r.ignore_eos:
         feed["ignore_eos"] = True
-    return Completion(prompt, feed, stops, r.stream, bool(r.stream_options and r.stream_options.include_usage),
-                      token_ids=r.return_token_ids)
+    usage = r.stream_options or _completion_request()[2]()
+    return Completion(prompt, feed, stops, r.stream, usage.include_usage,
+                      usage_every_chunk=usage.include_usage and usage.continuous_usage_stats, token_ids=r.return_token_ids)
 
 
 @functools.cache
@@ -562,7 +566,7 @@ async def _answer(request, c: Completion, model: Model, upstream: str, limits: L
         raise
     shape = _Shape(model.name, c.chat, ids if c.token_ids else None)
     if c.stream:
-        return StreamingResponse(_events(shape, first, tokens, len(ids), c.include_usage, metrics),
+        return StreamingResponse(_events(shape, first, tokens, len(ids), c, metrics),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return await _whole(request, shape, first, tokens, len(ids))
 
@@ -616,18 +620,25 @@ async def _whole(request, shape: _Shape, first: tuple, answer, prompt_tokens: in
     return shape.whole(text, finish, _usage(prompt_tokens, len(ids)), ids)
 
 
-async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, include_usage: bool,
+async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, c: Completion,
                   metrics: Metrics) -> AsyncIterator[bytes]:
-    """The completion as server-sent events: each piece as it comes, the finish reason on the last, usage after
-    it when asked, then [DONE]; an error after the first token is one final error event."""
-    count = len(first[1])
+    """The completion as server-sent events: each piece as it comes (with the usage so far, when asked for every
+    chunk), the finish reason on the last, usage after it when asked, then [DONE]; an error after the first
+    token is one final error event."""
+    count = 0
+
+    def piece(text: str, ids: list[int], finish: str | None) -> bytes:
+        nonlocal count
+        count += len(ids)
+        doc = shape.piece(text, finish, ids)
+        return _event({**doc, "usage": _usage(prompt_tokens, count)} if c.usage_every_chunk else doc)
+
     try:
-        yield _event(shape.piece(first[0], first[2], first[1]))
+        yield piece(*first)
         if first[2] is None:
             async for text, ids, finish in answer:
-                count += len(ids)
-                yield _event(shape.piece(text, finish, ids))
-        if include_usage:
+                yield piece(text, ids, finish)
+        if c.include_usage:
             yield _event(shape.usage(_usage(prompt_tokens, count)))
     except FrontError as e:
         metrics.errors.labels(str(e.status)).inc()

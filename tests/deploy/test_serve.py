@@ -261,7 +261,8 @@ def test_the_openai_client_gets_the_same_completions(server, ours, demo_dir):
 
 def test_return_token_ids_gives_each_steps_ids_beside_the_text(server, ours, demo_dir):
     """vLLM's return_token_ids: the ids the runtime generates, the prompt's in the first choice, and streamed a
-    chunk for every step (text or not), whose ids join to the whole; the text is what it is without it."""
+    chunk for every step (text or not), whose ids join to the whole; the text is what it is without it. And
+    vLLM's continuous_usage_stats: the usage so far in every chunk."""
     openai = pytest.importorskip("openai", reason="the official openai client (dev extra)")
     from andrea_export.model.text import encode, load_tokenizer
 
@@ -284,6 +285,13 @@ def test_return_token_ids_gives_each_steps_ids_beside_the_text(server, ours, dem
     assert chunks[-1].choices[0].finish_reason == "length"
     plain = client.completions.create(model=server.model, prompt="Create a new", max_tokens=12, temperature=0)
     assert getattr(plain.choices[0], "token_ids", None) is None
+    # vLLM's continuous_usage_stats (guidellm asks it): the usage so far in every chunk, the whole at the end
+    counted = list(client.completions.create(**ask, stream=True, stream_options={"include_usage": True,
+                                                                                  "continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in counted] == [*range(1, 13), 12, 12]
+    assert all(c.usage.prompt_tokens == len(prompt) for c in counted) and counted[-1].choices == []
+    alone = list(client.completions.create(**ask, stream=True, stream_options={"continuous_usage_stats": True}))
+    assert all(c.usage is None for c in alone)  # without include_usage, as vLLM
     with pytest.raises(openai.BadRequestError, match="return_token_ids"):
         client.completions.create(model=server.model, prompt="x", max_tokens=2, extra_body={"return_token_ids": "yes"})
 
