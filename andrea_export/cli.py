@@ -571,7 +571,7 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
               help="One line a request on stderr: client, method, path, status, seconds (never the prompt).")
 @click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=None,
-              help="Requests that share a decode step (in-flight batching slots). [default: 8 on ONNX Runtime; on "
+              help="Requests that share a decode step (in-flight batching slots). [default: 16 on ONNX Runtime; on "
                    "TensorRT, what the slot engine was built for (build --max-slots)]")
 @click.option("--engine", type=click.Choice(["auto", "onnxruntime", "tensorrt"]), default="auto", show_default=True,
               help="What the batcher steps: onnxruntime (the in-place decoder on the CPU) or tensorrt (the build's "

@@ -40,7 +40,10 @@ from .common import (
 )
 from .served import BUILD_DIR, ENGINES, INPUTS, OUTPUTS
 
-DEFAULT_SLOTS = 8  # ONNX Runtime on the CPU: beyond about 8 rows a step's time grows with its rows
+# ONNX Runtime on the CPU: a step's time grows with its rows, but less than its tokens do (ANDREA-120M fp32 on
+# 2 Zen 4 cores: 18.2 ms for 8 rows, 25.9 for 16; bench --serve gave 16 streams 1.36x the tokens/s of 8,
+# benchmarks/README.md); each slot holds a context's cache (ANDREA-120M fp32: 75 MB)
+DEFAULT_SLOTS = 16
 # what each engine reads of the build (runtime.load checks each against the manifest); the first is the graph
 ENGINE_ROLES = {"onnxruntime": (Role.DECODER_ONNX_INPLACE,),
                 "tensorrt": (Role.DECODER_ONNX_SLOTS, Role.SLOT_ENGINE_ONNX, Role.SLOT_ENGINE, Role.SLOT_ENGINE_INFO)}
@@ -62,7 +65,7 @@ def write_generate_model(build_dir: str | Path, repo_dir: str | Path, *, name: s
     Triton shows its clients names no path of this machine) instead of a copy: what `serve` does, for a
     repository that lives as long as the server. `engine`: what the batcher steps, onnxruntime (the in-place
     decoder, CPU instances) or tensorrt (the slot engine, a GPU instance). `slots` (the most requests decoding
-    together): default 8 on ONNX Runtime, and on TensorRT as many as the slot engine was built for."""
+    together): default DEFAULT_SLOTS on ONNX Runtime, and on TensorRT as many as the slot engine was built for."""
     build_dir, repo = Path(build_dir), Path(repo_dir)
     check_status(build_dir, manifest, allow_failed, "the generate model")
     have = manifest["artifacts"]
