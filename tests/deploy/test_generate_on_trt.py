@@ -18,6 +18,7 @@ import python_backend
 from andrea_export import runtime
 from andrea_export.deploy import server as server_mod
 from andrea_export.deploy.triton import generate_engine, parse_config, write_generate_model
+from andrea_export.deploy.triton.generate import DEFAULT_SLOTS
 from andrea_export.errors import PackageError
 
 TRT, ROWS = "10.15.1", 4  # slot_build's (tests/conftest.py): the TensorRT that "built" it, its decoding rows
@@ -37,7 +38,7 @@ def test_the_packaged_tensorrt_generate_model_is_a_gpu_model_of_the_slot_engine(
     assert "decoder.inplace.onnx" not in files and any(f.endswith(".data") for f in files)
     onnx_model = write_generate_model(slot_build, tmp_path / "cpu")  # the default: ONNX Runtime, CPU instances
     cfg = parse_config((onnx_model / "config.pbtxt").read_text())
-    assert cfg.parameters["engine"].string_value == "onnxruntime" and cfg.parameters["slots"].string_value == "8"
+    assert cfg.parameters["engine"].string_value == "onnxruntime" and cfg.parameters["slots"].string_value == str(DEFAULT_SLOTS)
     assert cfg.instance_group[0].kind == cfg.instance_group[0].KIND_CPU
 
 
