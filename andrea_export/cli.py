@@ -534,6 +534,16 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
             click.echo(for_terminal(text) if _stdout_is_terminal() else text)  # a pipe gets the text as it is
 
 
+def _try_line(endpoints: dict[str, str], api_key: str | None) -> str:
+    """A request to paste: to the OpenAI front, the endpoint for clients, when it runs; else Triton's generate."""
+    import json
+
+    if "openai" not in endpoints:
+        return f"curl -s {endpoints['generate']} -d '{json.dumps({'input_ids': [1, 2, 3], 'max_tokens': 16})}'"
+    key = " -H 'Authorization: Bearer <key>'" if api_key else ""
+    return f"curl -s {endpoints['openai']}/completions{key} -d '{json.dumps({'prompt': [1, 2, 3], 'max_tokens': 16})}'"
+
+
 @main.command()
 @click.argument("build_dir", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--host", default="127.0.0.1", show_default=True,
@@ -638,8 +648,7 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
         console.print(f"  {'engine':16s} {server.engine[1]}", markup=False, highlight=False)
     for kind, url in server.endpoints().items():
         console.print(f"  {kind:16s} {url}", markup=False, highlight=False)
-    example = json.dumps({"input_ids": [1, 2, 3], "max_tokens": 16})
-    console.print(f"  try: curl -s {server.endpoints()['generate']} -d '{example}'", markup=False, highlight=False)
+    console.print(f"  try: {_try_line(server.endpoints(), api_key)}", markup=False, highlight=False)
     console.print("Serving; Ctrl-C stops (the requests in flight finish first).", markup=False)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

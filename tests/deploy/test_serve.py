@@ -435,7 +435,12 @@ def test_the_serve_command_prints_its_endpoints_and_exits_0_on_sigterm(long_buil
         if line.startswith("Serving;"):
             break
     out = "".join(lines)
-    assert f"http://127.0.0.1:{port}/v2/models/andrea-long-fp32-generate/generate" in out and "try: curl -s" in out
+    assert f"http://127.0.0.1:{port}/v2/models/andrea-long-fp32-generate/generate" in out
+    # the request it offers to paste goes to the front, the endpoint for clients, and is answered
+    (tried,) = [line.split("try: ", 1)[1] for line in lines if "try: " in line]
+    assert "/v1/completions" in tried
+    answer = json.loads(subprocess.run(tried, shell=True, capture_output=True, text=True, timeout=60).stdout)
+    assert answer["object"] == "text_completion" and answer["usage"]["completion_tokens"] == 16
     assert _post(f"http://127.0.0.1:{port}/v2/models/andrea-long-fp32-generate/generate",
                  {"input_ids": [1, 2], "max_tokens": 3})[0] == 200
     proc.send_signal(signal.SIGTERM)
