@@ -534,10 +534,13 @@ def generate(ctx, build, prompt_ids, prompt_text, tokenizer, max_new_tokens, str
             click.echo(for_terminal(text) if _stdout_is_terminal() else text)  # a pipe gets the text as it is
 
 
-def _try_line(endpoints: dict[str, str], api_key: str | None) -> str:
-    """A request to paste: to the OpenAI front, the endpoint for clients, when it runs; else Triton's generate."""
+def _try_line(endpoints: dict[str, str], api_key: str | None) -> str | None:
+    """A request to paste: to the OpenAI front, the endpoint for clients, when it runs; else Triton's generate,
+    when its HTTP port listens."""
     import json
 
+    if "openai" not in endpoints and "generate" not in endpoints:
+        return None
     if "openai" not in endpoints:
         return f"curl -s {endpoints['generate']} -d '{json.dumps({'input_ids': [1, 2, 3], 'max_tokens': 16})}'"
     key = " -H 'Authorization: Bearer <key>'" if api_key else ""
@@ -552,11 +555,16 @@ def _try_line(endpoints: dict[str, str], api_key: str | None) -> str:
 @click.option("--triton-host", default="127.0.0.1", show_default=True,
               help="Address Triton's own HTTP, gRPC and metrics ports listen on. Wherever they do, its shared-memory, "
                    "model-control, trace and logging APIs answer only the admin key.")
-@click.option("--port", "http_port", type=click.IntRange(0, 65535), default=8000, show_default=True,
-              help="Triton's HTTP/REST port (KServe v2 and /generate). 0: a free one.")
+@click.option("--port", "http_port", type=click.IntRange(0, 65535), default=None,
+              help="Triton's own HTTP/REST port (KServe v2 and /generate), for clients of Triton's protocol; 0: a "
+                   "free one. Off unless given (on at 8000 with --no-openai): a body Triton's HTTP layer cannot parse "
+                   "crashes it, which the front refuses before Triton sees it, and any local process reaches a "
+                   "loopback port. The front needs only Triton's gRPC.")
 @click.option("--grpc-port", type=click.IntRange(0, 65535), default=8001, show_default=True)
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=8002, show_default=True,
-              help="Triton's Prometheus metrics (/metrics).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Triton's Prometheus metrics (/metrics: its own, and the batcher's queue); 0: a free one. Off "
+                   "unless given: it is Triton's HTTP layer too, which a 6 MB form body crashes. The front's "
+                   "/metrics is always there.")
 @click.option("--openai-port", type=click.IntRange(0, 65535), default=9000, show_default=True,
               help="The OpenAI-compatible front (/v1/models, /v1/completions).")
 @click.option("--no-openai", is_flag=True, help="Do not start the OpenAI-compatible front.")
@@ -626,6 +634,8 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
     from .deploy.server import FrontOptions, start
     from .progress import console, step, warn
 
+    if no_openai and http_port is None:
+        http_port = 8000  # without the front, Triton's HTTP is the one route for HTTP clients
     front = None if no_openai else FrontOptions(
         host, openai_port, api_key, served_model_name,
         Limits(max_body_bytes=max_body_bytes, max_connections=max_connections, read_timeout_s=read_timeout,
@@ -648,7 +658,8 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
         console.print(f"  {'engine':16s} {server.engine[1]}", markup=False, highlight=False)
     for kind, url in server.endpoints().items():
         console.print(f"  {kind:16s} {url}", markup=False, highlight=False)
-    console.print(f"  try: {_try_line(server.endpoints(), api_key)}", markup=False, highlight=False)
+    if tried := _try_line(server.endpoints(), api_key):
+        console.print(f"  try: {tried}", markup=False, highlight=False)
     console.print("Serving; Ctrl-C stops (the requests in flight finish first).", markup=False)
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -9,9 +9,10 @@ size, read within `read_timeout_s`, and its JSON depth before it is parsed; a te
 context can hold at most (`prompt_byte_bound`) before it is tokenized, in a worker thread off the event loop; its
 tokens and `max_tokens` against the context before Triton sees the request.
 
-A thin layer, not a second engine: each completion is one request to the generate model's /generate_stream
-(token ids, tokenized here), its tokens passed on as they come; a client that leaves, or a stop string that
-matches, closes that request, which frees its slot at the next step. Honoured: prompt (one string or one list of
+A thin layer, not a second engine: each completion is one request to the generate model, streamed over Triton's
+gRPC (token ids, tokenized here; Triton's HTTP layer, which some bodies crash, need not listen), its tokens
+passed on as they come; a client that leaves, or a stop string that matches, cancels that request, which frees
+its slot at the next step. Honoured: prompt (one string or one list of
 token ids), max_tokens (default 16), temperature (default 1; 0: greedy), top_p or top_k, seed, stop (strings,
 matched in the text), stream, stream_options.include_usage (and vLLM's continuous_usage_stats: the usage so far
 in every chunk), and vLLM's ignore_eos and return_token_ids (each
@@ -36,7 +37,7 @@ from typing import Annotated, Any, Literal
 
 from .. import userfiles
 from ..names import EOT, MAX_SEED
-from .triton.served import longest_token_bytes
+from .triton.served import INPUTS, REQUEST_FAILED, longest_token_bytes
 
 # Sampling fields of OpenAI's API and of vLLM's extensions that this server does not honour: refused by name
 # (a field set to its neutral value passes), never ignored
@@ -76,6 +77,15 @@ class Model:
         """The most UTF-8 bytes a prompt that fits the context can have: every token covers at most the bytes of
         the longest one, so a longer text cannot fit, and is refused before it is tokenized."""
         return self.n_positions * longest_token_bytes(self.tokenizer)
+
+
+@dataclasses.dataclass(frozen=True)
+class Upstream:
+    """Where the front's completions go: Triton's gRPC port (host:port; its HTTP port need not listen) and the
+    generate model's name there."""
+
+    grpc: str
+    model: str
 
 
 class FrontError(Exception):
@@ -303,53 +313,70 @@ async def read_body(request, limits: Limits) -> dict:
 
 
 # -- the answer --------------------------------------------------------------------------------------------
-async def pieces(client, upstream: str, feed: dict, stops: list[str], eos_id: int | None = None,
+async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id: int | None = None,
                  every_step: bool = False) -> AsyncGenerator[tuple[str, list[int], str | None], None]:
-    """(new text, its token ids, finish_reason or None) from the generate model's stream; ends at a stop string,
-    which closes the upstream request (its slot is freed at the next step). The generate model ends a request at
-    max_tokens ("length") or at the end-of-text token `eos_id`, which comes as its last token ("stop"). A token
-    whose bytes end no character waits for the next piece of text, unless `every_step` (return_token_ids: the
-    ids of each step come as they are made, with the text that is ready, maybe none)."""
-    import httpx
+    """(new text, its token ids, finish_reason or None) from the generate model's stream over Triton's gRPC
+    (`client`: tritonclient's asyncio client); ends at a stop string, which cancels the upstream request (its slot
+    is freed at the next step), as does a client that leaves (this generator closed). The generate model ends a
+    request at max_tokens ("length") or at the end-of-text token `eos_id`, which comes as its last token
+    ("stop"). A token whose bytes end no character waits for the next piece of text, unless `every_step`
+    (return_token_ids: the ids of each step come as they are made, with the text that is ready, maybe none)."""
+    from grpc.aio import AioRpcError
+    from tritonclient.utils import InferenceServerException
+
+    async def request():  # one request; the stream half-closes after it and ends with its last response
+        yield {"model_name": triton_model, "inputs": _tensors(feed)}
 
     text, sent, keep = "", 0, max((len(s) for s in stops), default=1) - 1
     pending: list[int] = []  # ids not yet passed on
     last = None
+    stream = client.stream_infer(request())
     try:
-        async with client.stream("POST", upstream, json=feed) as resp:
-            if resp.status_code != 200:
-                raise FrontError(_upstream_error(await resp.aread()), 400 if resp.status_code < 500 else 502)
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: "):
-                    continue
-                doc = json.loads(line[6:])
-                if "error" in doc:
-                    raise FrontError(str(doc["error"]))
-                ids = doc.get("output_ids", [])
-                ids = ids if isinstance(ids, list) else [ids]
-                pending, last = pending + ids, ids[-1] if ids else last
-                text += doc.get("text_output", "")
-                hit = min((i for s in stops if (i := text.find(s, max(0, sent - keep))) >= 0), default=-1)
-                if hit >= 0:
-                    yield text[sent:hit], pending, "stop"
-                    return
-                safe = max(sent, len(text) - keep if stops else len(text))  # hold back what could start a stop
-                if safe > sent or (every_step and pending):
-                    yield text[sent:safe], pending, None
-                    sent, pending = safe, []
-    except httpx.HTTPError as e:
-        raise FrontError(f"the Triton server did not answer: {e}", 502) from None
+        async for result, error in stream:
+            if error is not None:
+                message = error.message()
+                raise FrontError(message, 502 if message.startswith(REQUEST_FAILED) else 400)
+            out = result.as_numpy("output_ids")
+            ids = [] if out is None else [int(t) for t in out]
+            pending, last = pending + ids, ids[-1] if ids else last
+            piece = result.as_numpy("text_output")
+            text += "" if piece is None else piece[0].decode("utf-8")
+            hit = min((i for s in stops if (i := text.find(s, max(0, sent - keep))) >= 0), default=-1)
+            if hit >= 0:
+                yield text[sent:hit], pending, "stop"
+                return
+            safe = max(sent, len(text) - keep if stops else len(text))  # hold back what could start a stop
+            if safe > sent or (every_step and pending):
+                yield text[sent:safe], pending, None
+                sent, pending = safe, []
+    except (AioRpcError, InferenceServerException) as e:
+        raise FrontError(f"the Triton server did not answer: {_rpc_message(e)}", 502) from None
+    finally:
+        stream.cancel()  # ended already, or left early: then Triton cancels the request
     ended_at_eos = eos_id is not None and last == eos_id and not feed.get("ignore_eos")
     yield text[sent:], pending, "stop" if ended_at_eos else "length"
 
 
-def _upstream_error(body: bytes) -> str:
-    """The message of Triton's error body (JSON, or one server-sent event of it from /generate_stream)."""
-    text = body.decode(errors="replace").strip()
-    try:
-        return str(json.loads(text.removeprefix("data:").strip()).get("error", text))
-    except (ValueError, AttributeError):
-        return text[:500]
+_NUMPY = {"TYPE_INT64": "int64", "TYPE_INT32": "int32", "TYPE_FP32": "float32", "TYPE_BOOL": "bool"}
+
+
+def _tensors(feed: dict) -> list:
+    """The generate model's inputs (served.INPUTS: names, types) from a request's fields."""
+    import numpy as np
+    from tritonclient.grpc import InferInput
+
+    out = []
+    for name, value in feed.items():
+        kind = INPUTS[name][0]
+        array = np.asarray(value if isinstance(value, list) else [value], dtype=_NUMPY[kind])
+        tensor = InferInput(name, list(array.shape), kind.removeprefix("TYPE_"))
+        tensor.set_data_from_numpy(array)
+        out.append(tensor)
+    return out
+
+
+def _rpc_message(e) -> str:
+    return e.details() if hasattr(e, "details") else e.message()
 
 
 class _Shape:
@@ -475,21 +502,22 @@ async def _metered(tokens, m: Metrics, t0: float, prompt_tokens: int, state: dic
 
 
 # -- the app -----------------------------------------------------------------------------------------------
-def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits: Limits = Limits(),
+def make_app(model: Model, upstream: Upstream, *, api_key: str | None = None, limits: Limits = Limits(),
              allowed_origins: tuple[str, ...] = (), access_log: bool = False):
-    """The FastAPI app of one front: `upstream` is the generate model's /generate_stream URL."""
-    import httpx
+    """The FastAPI app of one front, streaming from the generate model at `upstream`."""
     from fastapi import Depends, FastAPI, Request
+    from tritonclient.grpc.aio import InferenceServerClient
 
     metrics = Metrics()
     state: dict = {"in_flight": 0, "metrics": metrics}  # and the upstream client, while the app runs
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        pool = httpx.Limits(max_connections=limits.max_connections, max_keepalive_connections=64)
-        async with httpx.AsyncClient(limits=pool, timeout=httpx.Timeout(600, connect=10, pool=None)) as client:
-            state["client"] = client
+        state["client"] = InferenceServerClient(upstream.grpc)  # one channel: every request a stream of its own on it
+        try:
             yield
+        finally:
+            await state["client"].close()
 
     app = FastAPI(title="andrea-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.metrics = metrics
@@ -542,7 +570,7 @@ def make_app(model: Model, upstream: str, *, api_key: str | None = None, limits:
     return app
 
 
-async def _answer(request, c: Completion, model: Model, upstream: str, limits: Limits, state: dict):
+async def _answer(request, c: Completion, model: Model, upstream: Upstream, limits: Limits, state: dict):
     """One completion or chat: checked against the limits, its prompt tokenized, its tokens from the generate
     model, answered whole or streamed."""
     from fastapi.responses import StreamingResponse
@@ -557,7 +585,7 @@ async def _answer(request, c: Completion, model: Model, upstream: str, limits: L
     except BaseException:
         state["in_flight"] -= 1  # _metered, which gives it back otherwise, never started
         raise
-    tokens = _metered(pieces(state["client"], upstream, {"input_ids": ids, **c.feed}, c.stops, model.eos_id,
+    tokens = _metered(pieces(state["client"], upstream.model, {"input_ids": ids, **c.feed}, c.stops, model.eos_id,
                              every_step=c.token_ids), metrics, t0, len(ids), state)
     try:
         first = await anext(tokens)  # an upstream error comes before any token: answer it as an error
@@ -666,7 +694,10 @@ class Front:
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
                                        name="andrea-openai-front", daemon=True)
         self.refusals = _CapRefusals(app.state.metrics, self.thread)
-        logging.getLogger(_CapRefusals.LOGGER).addFilter(self.refusals)
+        uvicorn_log = logging.getLogger(_CapRefusals.LOGGER)
+        uvicorn_log.addFilter(self.refusals)
+        if not uvicorn_log.isEnabledFor(logging.WARNING):  # the CLI quiets libraries at ERROR: it would never log
+            uvicorn_log.setLevel(logging.WARNING)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
@@ -690,7 +721,9 @@ class Front:
 class _CapRefusals(logging.Filter):
     """Counts the connections uvicorn refuses beyond max_connections among the front's errors (503). uvicorn
     answers those itself, before any middleware of ours runs (a connection whose headers never end holds its
-    place too), and says so only in a warning on its logger; the warnings of this front's thread are its own."""
+    place too), and says so only in a warning on its logger, which the front keeps at WARNING so that the
+    warning is made (and printed: a refusal is worth a line, as uvicorn alone prints it); the warnings of
+    this front's thread are its own."""
 
     LOGGER, MESSAGE = "uvicorn.error", "Exceeded concurrency limit."
 
@@ -728,7 +761,7 @@ class _AccessLog:
                                                scope["path"][:200], status[0] or "-", time.monotonic() - t0)
 
 
-def start_front(model: Model, upstream: str, host: str, port: int, *, api_key: str | None = None,
+def start_front(model: Model, upstream: Upstream, host: str, port: int, *, api_key: str | None = None,
                 limits: Limits = Limits(), allowed_origins: tuple[str, ...] = (), access_log: bool = False,
                 drain_timeout_s: float = 30) -> Front:
     """Serve the front on host:port (0: a free one) in a thread; OSError if it cannot listen there."""

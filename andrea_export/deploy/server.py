@@ -2,7 +2,7 @@
 flight and streaming tokens (deploy/triton/served.py), with an OpenAI-compatible front (openai_front.py).
 
     from andrea_export.deploy.server import start
-    with start("out/andrea-120m-fp32", http_port=8000) as server:    # waits until the model is READY
+    with start("out/andrea-120m-fp32", openai_port=9000) as server:    # waits until the model is READY
         print(server.endpoints())
 
 The server is the `tritonserver` binary and Python backend that the `nvidia-pytriton` wheel ships (the
@@ -11,9 +11,12 @@ in a serving environment of its own, made by `make serve-env` (.venv-serve: nvid
 runtime's packages, andrea-export itself without its build dependencies); `--env`, $ANDREA_EXPORT_SERVE_ENV
 or ./.venv-serve says where. The Python-backend stub runs the model in that environment's Python.
 
-The front (openai_front.py) is the one listener meant for clients; Triton's HTTP, gRPC and metrics ports stay on
-127.0.0.1 unless `triton_host` says otherwise, and even there shared memory, model control, tracing and logging
-answer only a request that carries the admin key (Triton's restricted APIs; `Server.admin_key`). Every port is
+The front (openai_front.py) is the one listener meant for clients, and it streams from Triton over gRPC. Triton's
+HTTP and metrics ports listen only when asked (`http_port`, `metrics_port`): both are Triton's HTTP layer, which a
+body it cannot parse (a 6 MB form body; on the HTTP port also JSON nested 50,000 deep) crashes before anything of
+ours runs, and any local process can reach a loopback port. Triton's ports stay on 127.0.0.1 unless
+`triton_host` says otherwise, and even there shared memory, model control, tracing and logging answer only a
+request that carries the admin key (Triton's restricted APIs; `Server.admin_key`). Every port is
 checked free before anything starts, so a port held by another server is one clear error, never that server's
 readiness taken for ours.
 
@@ -34,8 +37,6 @@ import socket
 import subprocess
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -167,10 +168,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(host, 1)[0]
 
 
-def triton_ports(host: str, http: int, grpc: int, metrics: int) -> dict[str, int]:
-    """Triton's three ports: each one given checked free (ServeError in one line otherwise), each 0 a free one,
-    all different (two the same are refused: Triton cannot listen twice on one port)."""
-    asked = {"http": http, "grpc": grpc, "metrics": metrics}
+def triton_ports(host: str, http: int | None, grpc: int, metrics: int | None) -> dict[str, int]:
+    """Triton's ports (HTTP and metrics only when not None): each one given checked free (ServeError in one line
+    otherwise), each 0 a free one, all different (two the same are refused: Triton cannot listen twice on one
+    port)."""
+    asked = {k: p for k, p in (("http", http), ("grpc", grpc), ("metrics", metrics)) if p is not None}
     given = {kind: _check_free(host, p, f"Triton's {kind} port") for kind, p in asked.items() if p}
     if len(set(given.values())) < len(given):
         raise ServeError(f"Triton's ports must differ: {', '.join(f'{k} {p}' for k, p in given.items())}")
@@ -236,12 +238,18 @@ class Server:
         return {("triton-grpc-protocol-" if kind == "grpc" else "") + ADMIN_HEADER: self.admin_key}
 
     def url(self, kind: str = "http") -> str:
-        return f"http://{self.host}:{self.ports[kind]}" if kind != "grpc" else f"{self.host}:{self.ports['grpc']}"
+        if kind not in self.ports:
+            raise ServeError(f"Triton's {kind} port is not listening (start it with {kind}_port=N, `serve --port N`)")
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.ports[kind]}" if kind != "grpc" else f"{host}:{self.ports['grpc']}"
 
     def endpoints(self) -> dict[str, str]:
-        out = {"http": self.url(), "grpc": self.url("grpc"), "metrics": f"{self.url('metrics')}/metrics",
-               "generate": f"{self.url()}/v2/models/{self.model}/generate",
-               "generate_stream": f"{self.url()}/v2/models/{self.model}/generate_stream"}
+        out = {"grpc": self.url("grpc")}
+        if "metrics" in self.ports:
+            out["metrics"] = f"{self.url('metrics')}/metrics"
+        if "http" in self.ports:
+            out = {"http": self.url(), **out, "generate": f"{self.url()}/v2/models/{self.model}/generate",
+                   "generate_stream": f"{self.url()}/v2/models/{self.model}/generate_stream"}
         if self.front is not None:
             host = f"[{self.front_host}]" if ":" in self.front_host else self.front_host
             out["openai"] = f"http://{host}:{self.ports['openai']}/v1"
@@ -279,8 +287,8 @@ class Server:
         self.stop()
 
 
-def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int = 8001,
-          metrics_port: int = 8002, openai_port: int | None = None, front: FrontOptions | None = None,
+def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int | None = None, grpc_port: int = 8001,
+          metrics_port: int | None = None, openai_port: int | None = None, front: FrontOptions | None = None,
           slots: int | None = None,
           prefill_chunk: int = 64, step_tokens: int | None = None, admit: str = "in-flight",
           env: str | Path | None = None, ready_timeout: float = 180, exit_timeout: int = 30,
@@ -288,7 +296,8 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
     """Start tritonserver on `build_dir`'s generate model (read where it is) and wait until it is READY
     (ServeError with the server's log when it does not get there), then the OpenAI front when `front` is given
     (or `openai_port`: the front with its defaults on that port). `host`: where Triton's ports listen. Port 0:
-    a free one. `engine`: what the generate model steps (serve_engine; Server.engine says which, and why)."""
+    a free one; `http_port`, `metrics_port` None: that port of Triton's does not listen (the front needs only
+    its gRPC). `engine`: what the generate model steps (serve_engine; Server.engine says which, and why)."""
     from .triton.generate import write_generate_model
 
     if front is None and openai_port is not None:
@@ -323,14 +332,14 @@ def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int = 80
 def _check_front_packages() -> None:
     import importlib.util
 
-    if missing := [m for m in ("fastapi", "uvicorn", "httpx") if importlib.util.find_spec(m) is None]:
+    if missing := [m for m in ("fastapi", "uvicorn", "tritonclient") if importlib.util.find_spec(m) is None]:
         raise ServeError(f"the OpenAI front needs {', '.join(missing)}: pip install 'andrea-export[serve]' "
                          "(or serve without it: --no-openai)")
 
 
 def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: float) -> None:
     from ..folder.reader import read_manifest
-    from .openai_front import Limits, Model, start_front
+    from .openai_front import Limits, Model, Upstream, start_front
 
     cfg = read_manifest(build_dir, full=False)["model"]
     from ..runtime import eos_id
@@ -345,7 +354,7 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
         raise ServeError(str(e)) from None
     model = Model(opts.served_model_name or server.model, cfg["n_positions"], cfg["vocab_size"], _tokenizer(build_dir),
                   eos_id(build_dir), template)
-    upstream = f"{server.url()}/v2/models/{server.model}/generate_stream"
+    upstream = Upstream(server.url("grpc"), server.model)
     try:
         server.front = start_front(model, upstream, opts.host, opts.port, api_key=opts.api_key,
                                    limits=opts.limits or Limits(), allowed_origins=opts.allowed_origins,
@@ -355,12 +364,13 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
     server.ports["openai"], server.front_host, server.served_model = server.front.port, opts.host, model.name
 
 
-def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", http_port: int = 8000,
-                     grpc_port: int = 8001, metrics_port: int = 8002, env: str | Path | None = None,
+def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", http_port: int | None = None,
+                     grpc_port: int = 8001, metrics_port: int | None = None, env: str | Path | None = None,
                      ready_timeout: float = 180, exit_timeout: int = 30, workspace: Path | None = None,
                      admin_key: str | None = None) -> Server:
     """Start tritonserver on a model repository (`package --triton` writes one) and wait until `model` is READY.
     The server's backends and log go to `workspace` (a new temporary folder by default), removed by stop().
+    `http_port`, `metrics_port` None: that port does not listen.
     `admin_key`: what Triton's restricted APIs ask for (default: a new random one, Server.admin_key)."""
     workspace = workspace or new_workspace()
     try:
@@ -375,10 +385,11 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
                     backends / "python" / "triton_python_backend_stub")
         cmd = [str(Path(dist["dist"]) / "bin" / "tritonserver"), f"--model-repository={Path(repo).resolve()}",
                f"--backend-directory={backends}", f"--cache-directory={Path(dist['dist']) / 'caches'}",
-               f"--http-address={host}", f"--http-port={ports['http']}", f"--grpc-address={host}",
-               f"--grpc-port={ports['grpc']}", f"--metrics-address={host}", f"--metrics-port={ports['metrics']}",
-               "--allow-gpu-metrics=false", f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true",
-               f"--http-restricted-api={guard}", f"--grpc-restricted-protocol={guard}"]
+               *([f"--http-address={host}", f"--http-port={ports['http']}", f"--http-restricted-api={guard}"]
+                 if "http" in ports else ["--allow-http=false"]),
+               f"--grpc-address={host}", f"--grpc-port={ports['grpc']}", f"--grpc-restricted-protocol={guard}",
+               *([f"--metrics-address={host}", f"--metrics-port={ports['metrics']}", "--allow-gpu-metrics=false"]
+                 if "metrics" in ports else ["--allow-metrics=false"]), f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true"]
         child_env = dict(os.environ, PATH=f"{python.parent}:{os.environ.get('PATH', '')}",
                          LD_LIBRARY_PATH=":".join(filter(None, [os.environ.get("LD_LIBRARY_PATH"), dist["libs"]])))
         log = workspace / "tritonserver.log"
@@ -431,14 +442,20 @@ def _chat_template(build_dir) -> str | None:
 
 
 def _wait_ready(server: Server, timeout: float) -> None:
+    """Until Triton says our model is READY over gRPC (the port every server has), or ServeError."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
     deadline = time.monotonic() + timeout
-    url = f"{server.url()}/v2/models/{server.model}/ready"
-    while time.monotonic() < deadline:
-        if server.process.poll() is not None:
-            raise ServeError(f"tritonserver exited with code {server.process.returncode}")
-        with contextlib.suppress(urllib.error.URLError, OSError):
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200 and server.process.poll() is None:  # ours: its ports were free before it
-                    return
-        time.sleep(0.25)
+    client = grpcclient.InferenceServerClient(server.url("grpc"))
+    try:
+        while time.monotonic() < deadline:
+            if server.process.poll() is not None:
+                raise ServeError(f"tritonserver exited with code {server.process.returncode}")
+            with contextlib.suppress(InferenceServerException):
+                if client.is_model_ready(server.model, client_timeout=2) and server.process.poll() is None:
+                    return  # ours: its ports were free before it
+            time.sleep(0.25)
+    finally:
+        client.close()
     raise ServeError(f"the model was not READY after {timeout:.0f} s")

@@ -6,6 +6,7 @@ field and the server goes on; a client that leaves frees its slot; SIGTERM drain
 
 from __future__ import annotations
 
+import contextlib
 import json
 import queue
 import threading
@@ -690,10 +691,10 @@ def test_parse_request_bounds_text_before_encoding():
 @pytest.fixture()
 def front(server, demo_build):
     """A second front on the running server's generate model, with a key, another model name and short limits."""
-    from andrea_export.deploy.openai_front import Limits, Model, start_front
+    from andrea_export.deploy.openai_front import Limits, Model, Upstream, start_front
 
     model = Model("andrea", 128, 8449, serve_module._tokenizer(demo_build))
-    f = start_front(model, f"{server.url()}/v2/models/{server.model}/generate_stream", "127.0.0.1", 0,
+    f = start_front(model, Upstream(server.url("grpc"), server.model), "127.0.0.1", 0,
                     api_key="sesame", limits=Limits(read_timeout_s=1.0, max_connections=6),
                     allowed_origins=("http://app.example",))
     yield f
@@ -776,10 +777,10 @@ def test_completions_beyond_max_requests_get_503_even_when_they_arrive_together(
     OpenAI-shaped 503; the admitted get their whole completion; the front goes on."""
     import threading
 
-    from andrea_export.deploy.openai_front import Limits, Model, start_front
+    from andrea_export.deploy.openai_front import Limits, Model, Upstream, start_front
 
     model = Model("andrea", 128, 8449, serve_module._tokenizer(demo_build))
-    f = start_front(model, f"{server.url()}/v2/models/{server.model}/generate_stream", "127.0.0.1", 0,
+    f = start_front(model, Upstream(server.url("grpc"), server.model), "127.0.0.1", 0,
                     limits=Limits(max_requests=2))
     try:
         body = json.dumps({"model": "andrea", "prompt": "The for statement " * 8, "max_tokens": 96,
@@ -989,3 +990,33 @@ def test_the_default_slot_count_on_onnx_runtime_is_the_benchmarks_best(demo_buil
 
     assert re.search(r'key: "slots"\s*value \{\s*string_value: "(\d+)"', config).group(1) == "16"
     assert "16 on ONNX Runtime" in next(p.help for p in serve_command.params if p.name == "slots")
+
+
+def test_no_port_a_server_opens_by_default_can_be_crashed_by_a_client(demo_build):
+    """Triton's HTTP layer (its HTTP port and its metrics port) dies on a 6 MB form body, and its HTTP port on
+    JSON nested 50,000 deep, before anything of ours runs (SIGSEGV; both seen on the old defaults, HTTP on 8000
+    and metrics on 8002). By default the front streams over gRPC and neither listens: every body sent to every
+    port the server opens leaves it serving."""
+    import socket
+
+    _serving_env()
+    s = serve_module.start(demo_build, grpc_port=0, openai_port=0)
+    try:
+        assert set(s.ports) == {"grpc", "openai"} and "generate" not in s.endpoints()
+        log = s.log_tail(200)
+        assert "Started GRPCInferenceService" in log and "HTTPService" not in log and "Metrics Service" not in log
+        hostile = [(b"a=" + b"x" * 6_000_000, "application/x-www-form-urlencoded"),
+                   (b'{"input_ids":' + b"[" * 50_000 + b"]" * 50_000 + b"}", "application/json")]
+        for port in s.ports.values():
+            for body, kind in hostile:
+                with contextlib.suppress(OSError):
+                    with socket.create_connection(("127.0.0.1", port), timeout=10) as c:
+                        c.sendall(f"POST /v2/models/{s.model}/generate HTTP/1.1\r\nHost: x\r\nContent-Type: {kind}\r\n"
+                                  f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+                        c.recv(1024)
+        time.sleep(1)
+        assert s.process.poll() is None, s.log_tail()
+        status, answer = _post(f"{s.endpoints()['openai']}/completions", {"prompt": [1, 2], "max_tokens": 3})
+        assert status == 200 and json.loads(answer)["usage"]["completion_tokens"] == 3
+    finally:
+        s.stop(30)

@@ -33,6 +33,7 @@ INPUTS = {  # name -> (Triton type, dims)
 }
 OUTPUTS = {"output_ids": ("TYPE_INT64", [-1]), "text_output": ("TYPE_STRING", [1])}
 BUILD_DIR = "build"  # inside the version folder
+REQUEST_FAILED = "the request failed"  # how an answer begins when the model, not the request, failed
 ENGINES = ("onnxruntime", "tensorrt")  # what the batcher steps: the `engine` parameter of the model's config
 
 
@@ -169,7 +170,7 @@ class TritonPythonModel:
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             except Exception as e:  # noqa: BLE001 - one request's surprise must not take the others' answers
                 pb.Logger.log_error(f"a request failed: {type(e).__name__}: {e}")
-                sender.send(pb.InferenceResponse(error=pb.TritonError(f"the request failed: {type(e).__name__}")),
+                sender.send(pb.InferenceResponse(error=pb.TritonError(f"{REQUEST_FAILED}: {type(e).__name__}")),
                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
         return None
 
