@@ -153,13 +153,17 @@ def export(checkpoint, config, seed, out, opset, hf_folder, tokenizer):
     the ONNX metadata, so `verify` needs only the file (and the checkpoint, if there was one).
     """
     from .config import load_config
-    from .graphs.export import export_onnx, op_counts
+    from .graphs.export import check_export_memory, export_onnx, op_counts
     from .graphs.layout import check_onnx
     from .model.checkpoint import load_model
 
     if tokenizer and not hf_folder:
         raise click.UsageError("--tokenizer goes with --hf-folder (an ONNX file carries no tokenizer)")
-    model = load_model(checkpoint, load_config(config) if config else None, seed=seed)
+    cfg = load_config(config) if config else None
+    if cfg is not None:
+        check_export_memory(cfg)  # before the weights are allocated
+    model = load_model(checkpoint, cfg, seed=seed)
+    check_export_memory(model.cfg)  # a checkpoint's config is known once it is read
     if hf_folder:
         from .deploy.optimum import write_hf_folder
 

@@ -136,3 +136,14 @@ def available_memory() -> int | None:
     except (OSError, ValueError):
         pass
     return min(limits) if limits else None
+
+
+def check_memory(cfg, need: int, doing: str, available: int | None = None) -> None:
+    """ConfigError when `doing` (a verb: "building") model config `cfg` takes `need` bytes at its peak and this
+    machine has less free (`available`; default: available_memory()): said before the work, instead of the
+    kernel's OOM kill minutes into it."""
+    free = available_memory() if available is None else available
+    if free is not None and need > free:
+        raise ConfigError(f"model config '{cfg.name}': {cfg.n_params:,} parameters; {doing} it takes about "
+                          f"{need / 1e9:.1f} GB of memory at its peak, and this machine has {free / 1e9:.1f} GB "
+                          "available: run it on a machine with more memory, or choose a smaller model")

@@ -241,16 +241,10 @@ def build_memory(cfg) -> int:
 
 def check_build_memory(cfg, available: int | None = None) -> None:
     """ConfigError when the build of `cfg` would take more memory than this machine has free (`available`;
-    default: errors.available_memory()): said before any of it is allocated, instead of the kernel's OOM kill
-    minutes later."""
-    from .errors import available_memory
+    default: errors.available_memory()): said before any of it is allocated."""
+    from .errors import check_memory
 
-    free = available_memory() if available is None else available
-    need = build_memory(cfg)
-    if free is not None and need > free:
-        raise ConfigError(f"model config '{cfg.name}': {cfg.n_params:,} parameters; building it takes about "
-                          f"{need / 1e9:.1f} GB of memory at its peak, and this machine has {free / 1e9:.1f} GB "
-                          "available: build it on a machine with more memory, or a smaller model")
+    check_memory(cfg, build_memory(cfg), "building", available)
 
 
 def _check_slot_engine_builder(builder: str) -> None:
