@@ -150,7 +150,8 @@ def run_level(server, concurrency: int, requests: Sequence[tuple[list[int], int]
     # a request's tokens in that time: its share of its chunks that came in it (a chunk carries a token or more)
     in_full = sum(r["tokens"] * sum(r["sent"] + t - t0 <= full_s for t in r["times"]) / len(r["times"])
                   for r in done if r["times"])
-    return {"concurrency": concurrency, "route": route, "requests": len(requests), "errors": len(errors), "first_error": errors[:1],
+    return {"concurrency": concurrency, "route": route, "requests": len(requests), "errors": len(errors),
+            "first_error": errors[:1],
             "tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall, "latency_requests": len(steady),
             "full_s": full_s, "tokens_per_s_full": in_full / full_s if full_s > 0 else float("nan"),
             "ttft_ms": {"p50": pct(ttft, 50), "p99": pct(ttft, 99)}, "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
@@ -278,8 +279,8 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
     """Every build x mode x level; prompt and output lengths in `lengths` (tokens); `load`: "aiperf", "own"
     or "auto" (aiperf when found); both drive the OpenAI front. `route_rounds` > 0 (our own client): the
     front's cost at the top level, in-flight (compare_routes). `soak` > 0: that many short requests at the
-    top level on the first build (in-flight), with memory after the first 100 and at the end. Writes serve.json, serve.md and serve.png
-    into `out` when given; returns the document."""
+    top level on the first build (in-flight), with memory after the first 100 and at the end. Writes
+    serve.json, serve.md and serve.png into `out` when given; returns the document."""
     import tempfile
 
     from ..deploy.server import start
@@ -300,13 +301,16 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
         vocab, n = manifest["model"]["vocab_size"], manifest["model"]["n_positions"]
         lo, hi = (min(x, n // 4) for x in lengths)  # a prompt and its output within the context, with room
         isl = osl = ((lo + hi) // 2, (hi - lo) // 4)  # aiperf: mean and spread
+
+        def level_requests(c: int, vocab=vocab, lo=lo, hi=hi) -> list[tuple[list[int], int]]:
+            return make_requests(max(8, c * per_client), vocab, (lo, hi), (lo, hi), seed=c)
         steps, prefill = step_ms(build, sorted({1, *levels}), hi)
         doc.setdefault("decode_step_ms", {})[label] = {str(k): round(v, 2) for k, v in steps.items()}
         doc.setdefault("lone_prefill_ms", {})[label] = {"tokens": hi, "ms": round(prefill, 2)}
         log(f"{label}: in-process decode step " + ", ".join(f"{k} rows {v:.1f} ms" for k, v in steps.items())
             + f"; a lone prefill of {hi} tokens {prefill:.1f} ms")
         for mode in modes:
-            with start(build, http_port=0, grpc_port=0, metrics_port=0, openai_port=0,
+            with start(build, http_port=0, grpc_port=0, openai_port=0,  # HTTP: the straight route
                        slots=1 if mode == "serial" else slots, prefill_chunk=prefill_chunk,
                        step_tokens=step_tokens if mode != "serial" else None,
                        admit="whole" if mode == "whole" else "in-flight", env=env,
@@ -316,7 +320,7 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
                     if aiperf:
                         r = run_level_aiperf(aiperf, server, Path(build), c, c * per_client, isl, osl, work)
                     else:
-                        r = run_level(server, c, make_requests(max(8, c * per_client), vocab, (lo, hi), (lo, hi), seed=c))
+                        r = run_level(server, c, level_requests(c))
                     r.update(build=label, mode=mode, ideal_x=round(c * steps[1] / steps[c], 2))
                     doc["runs"].append(r)
                     log(f"{label:6s} {mode:9s} x{c:<2d} {streaming_rate(r):7.1f} tok/s  ttft p50/p99 {r['ttft_ms']['p50']:6.1f}/"
@@ -332,8 +336,7 @@ def run_serve_benchmark(builds: dict[str, str | Path], *, levels: Sequence[int] 
                         f"(first {streaming_rate(one):.1f}; the base: their mean)")
                 if route_rounds and mode == "in-flight" and not aiperf:
                     c = max(levels)
-                    comp = compare_routes(server, c, make_requests(max(8, c * per_client), vocab, (lo, hi), (lo, hi),
-                                                                   seed=c), route_rounds)
+                    comp = compare_routes(server, c, level_requests(c), route_rounds)
                     doc.setdefault("routes", {})[label] = comp
                     log(f"{label:6s} front / straight to Triton at {c} streams, median of {route_rounds} rounds: "
                         f"tokens/s {comp['x_tokens_per_s']:.3f}x, ITL p99 {comp['x_itl_p99']:.3f}x")

@@ -143,7 +143,7 @@ def _completion_request():
         max_tokens: Annotated[int, Field(ge=1)] | None = None  # none: the rest of the context
         max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
 
-    return CompletionRequest, ChatRequest, StreamOptions
+    return CompletionRequest, ChatRequest
 
 
 @dataclasses.dataclass
@@ -217,9 +217,9 @@ def _checked(r, prompt, max_tokens: int | None) -> Completion:
     feed.update({k: v for k, v in (("top_p", r.top_p), ("top_k", r.top_k), ("seed", r.seed)) if v is not None})
     if r.ignore_eos:
         feed["ignore_eos"] = True
-    usage = r.stream_options or _completion_request()[2]()
-    return Completion(prompt, feed, stops, r.stream, usage.include_usage,
-                      usage_every_chunk=usage.include_usage and usage.continuous_usage_stats, token_ids=r.return_token_ids)
+    usage = bool(r.stream_options and r.stream_options.include_usage)
+    return Completion(prompt, feed, stops, r.stream, usage,
+                      usage_every_chunk=usage and r.stream_options.continuous_usage_stats, token_ids=r.return_token_ids)
 
 
 @functools.cache
@@ -357,19 +357,17 @@ async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id
     yield text[sent:], pending, "stop" if ended_at_eos else "length"
 
 
-_NUMPY = {"TYPE_INT64": "int64", "TYPE_INT32": "int32", "TYPE_FP32": "float32", "TYPE_BOOL": "bool"}
-
-
 def _tensors(feed: dict) -> list:
     """The generate model's inputs (served.INPUTS: names, types) from a request's fields."""
     import numpy as np
     from tritonclient.grpc import InferInput
+    from tritonclient.utils import triton_to_np_dtype
 
     out = []
     for name, value in feed.items():
-        kind = INPUTS[name][0]
-        array = np.asarray(value if isinstance(value, list) else [value], dtype=_NUMPY[kind])
-        tensor = InferInput(name, list(array.shape), kind.removeprefix("TYPE_"))
+        kind = INPUTS[name][0].removeprefix("TYPE_")
+        array = np.asarray(value if isinstance(value, list) else [value], dtype=triton_to_np_dtype(kind))
+        tensor = InferInput(name, list(array.shape), kind)
         tensor.set_data_from_numpy(array)
         out.append(tensor)
     return out
@@ -389,7 +387,7 @@ class _Shape:
         self.head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "created": int(time.time()),
                      "model": model}
 
-    def piece(self, text: str, finish: str | None, ids: list[int]) -> dict:
+    def piece(self, text: str, ids: list[int], finish: str | None) -> dict:
         ids_of = self._ids(ids, first=not self.started)
         if not self.chat:
             self.started = True
@@ -398,7 +396,7 @@ class _Shape:
         self.started = True
         return self._doc("chat.completion.chunk", {"delta": delta, "finish_reason": finish, **ids_of})
 
-    def whole(self, text: str, finish: str | None, usage: dict, ids: list[int]) -> dict:
+    def whole(self, text: str, ids: list[int], finish: str | None, usage: dict) -> dict:
         choice = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
         return {**self._doc("chat.completion" if self.chat else "text_completion",
                             {**choice, "finish_reason": finish, **self._ids(ids, first=True)}), "usage": usage}
@@ -645,7 +643,7 @@ async def _whole(request, shape: _Shape, first: tuple, answer, prompt_tokens: in
                 raise FrontError("the client left", 499)
     finally:
         await answer.aclose()
-    return shape.whole(text, finish, _usage(prompt_tokens, len(ids)), ids)
+    return shape.whole(text, ids, finish, _usage(prompt_tokens, len(ids)))
 
 
 async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, c: Completion,
@@ -658,7 +656,7 @@ async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, c: Co
     def piece(text: str, ids: list[int], finish: str | None) -> bytes:
         nonlocal count
         count += len(ids)
-        doc = shape.piece(text, finish, ids)
+        doc = shape.piece(text, ids, finish)
         return _event({**doc, "usage": _usage(prompt_tokens, count)} if c.usage_every_chunk else doc)
 
     try:

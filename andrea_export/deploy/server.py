@@ -239,7 +239,8 @@ class Server:
 
     def url(self, kind: str = "http") -> str:
         if kind not in self.ports:
-            raise ServeError(f"Triton's {kind} port is not listening (start it with {kind}_port=N, `serve --port N`)")
+            option = {"http": "--port", "metrics": "--metrics-port"}.get(kind, f"--{kind}-port")
+            raise ServeError(f"Triton's {kind} port is not listening (start it with {kind}_port=N, `serve {option} N`)")
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.ports[kind]}" if kind != "grpc" else f"{host}:{self.ports['grpc']}"
 
@@ -389,7 +390,8 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
                  if "http" in ports else ["--allow-http=false"]),
                f"--grpc-address={host}", f"--grpc-port={ports['grpc']}", f"--grpc-restricted-protocol={guard}",
                *([f"--metrics-address={host}", f"--metrics-port={ports['metrics']}", "--allow-gpu-metrics=false"]
-                 if "metrics" in ports else ["--allow-metrics=false"]), f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true"]
+                 if "metrics" in ports else ["--allow-metrics=false"]),
+               f"--exit-timeout-secs={exit_timeout}", "--strict-readiness=true"]
         child_env = dict(os.environ, PATH=f"{python.parent}:{os.environ.get('PATH', '')}",
                          LD_LIBRARY_PATH=":".join(filter(None, [os.environ.get("LD_LIBRARY_PATH"), dist["libs"]])))
         log = workspace / "tritonserver.log"

@@ -40,9 +40,8 @@ from .common import (
 )
 from .served import BUILD_DIR, ENGINES, INPUTS, OUTPUTS
 
-# ONNX Runtime on the CPU: a step's time grows with its rows, but less than its tokens do (ANDREA-120M fp32 on
-# 2 Zen 4 cores: 18.2 ms for 8 rows, 25.9 for 16; bench --serve gave 16 streams 1.36x the tokens/s of 8,
-# benchmarks/README.md); each slot holds a context's cache (ANDREA-120M fp32: 75 MB)
+# ONNX Runtime on the CPU: a step's time grows with its rows, but slower than its tokens do, so 16 streams share
+# steps for more tokens/s than 8 (bench --serve, benchmarks/README.md); each slot holds a context's cache
 DEFAULT_SLOTS = 16
 # what each engine reads of the build (runtime.load checks each against the manifest); the first is the graph
 ENGINE_ROLES = {"onnxruntime": (Role.DECODER_ONNX_INPLACE,),
