@@ -340,9 +340,9 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     from .verify.folder import verify_folder
 
     made = Artifacts(tmp, opts.precision)
-    plugin_report, head_bits = _export_graphs(made, model, opts, builder)
+    plugin_report, head_bits, solved = _export_graphs(made, model, opts, builder)
     if opts.decoder:
-        _export_decoders(made, model, opts, builder, head_bits)
+        _export_decoders(made, model, opts, builder, head_bits, solved)
     _share_weights(made)
     _copy_text_files(made, opts, model.cfg)
     result = _build_engine(made, Role.ENGINE, opts, builder, profiles, timing_cache)
@@ -399,12 +399,12 @@ def engine_sources(artifacts, builder: str, precision: str) -> dict[str, str]:
 
 def _export_graphs(made: Artifacts, model, opts, builder: str):
     """The standard graph (and its fp32 source, and the Q/DQ form of a weight-only build) and the plugin graph
-    made from the engine's graph. Returns the plugin report and an int4 build's head width (None otherwise),
-    which its other graphs take too."""
+    made from the engine's graph. Returns the plugin report, and an int4 build's head width and GPTQ-solved weights
+    (None otherwise), which its other graphs take too."""
     from .graphs.export import export_onnx
     from .graphs.gelu_plugin import apply_gelu_plugin
     from .graphs.precision import convert_precision
-    from .graphs.quantize import choose_head_bits, write_qdq
+    from .graphs.quantize import choose_head_bits, solve_int4, write_qdq
     from .names import WEIGHT_ONLY
 
     p = opts.precision
@@ -412,28 +412,30 @@ def _export_graphs(made: Artifacts, model, opts, builder: str):
             else f"graph to {p} (LayerNorm and softmax stay float32)")
     fp32 = _name(made, Role.ONNX_FP32 if p != "fp32" else Role.ONNX)
     export_onnx(model, fp32)
-    head_bits = None
+    head_bits = solved = None
     if p == "int4":
+        with step("Solving the int4 weights (GPTQ: each layer's error weighed by its inputs on random ids)"):
+            solved = solve_int4(fp32)
         with step("Measuring where int4's error sits (the tied head alone, and all of it, on random ids)"):
-            head_bits, share = choose_head_bits(fp32)
+            head_bits, share = choose_head_bits(fp32, solved=solved)
         console.print(f"  the tied head alone makes {share:.0%} of int4's error: it is quantized at {head_bits} bits")
     if p != "fp32":
         made.add(Role.ONNX_FP32, fp32)
         with step(f"Converting the {what}"):
-            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p, head_bits))
+            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p, head_bits, solved))
     else:
         made.add(Role.ONNX, fp32)
     if p in WEIGHT_ONLY:  # TensorRT imports no MatMulNBits: its graphs quantize the fp32 weights as DequantizeLinear
-        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p, head_bits))
+        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p, head_bits, solved))
     with step("Handing every tanh-GELU to the plugin (graph pass)"):
         plugin_report = apply_gelu_plugin(made.path(plugin_source(Role.ONNX_PLUGIN, p)), _name(made, Role.ONNX_PLUGIN),
                                           fuse_bias=opts.fuse_bias)
     made.add(Role.ONNX_PLUGIN, _name(made, Role.ONNX_PLUGIN))
     console.print(f"  {plugin_report.summary()}")
-    return plugin_report, head_bits
+    return plugin_report, head_bits, solved
 
 
-def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int | None = None) -> None:
+def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int | None = None, solved=None) -> None:
     """The KV-cache decoder in the build's precision (and its fp32 source), the in-place decoder ONNX Runtime and
     onnxruntime-genai run, genai's config, and the decoder engine's Q/DQ and plugin graphs."""
     from .deploy.genai import write_genai_config
@@ -449,15 +451,15 @@ def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int 
                                    quiet=True)
     if p != "fp32":
         made.add(Role.DECODER_ONNX_FP32, fp32)
-        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p, head_bits))
+        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p, head_bits, solved))
     else:
         made.add(Role.DECODER_ONNX, fp32)
     if p != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
-        _export_inplace_decoder(made, model, head_bits)
-    _export_slot_decoder(made, model, head_bits, two_groups=opts.max_slots > 0)
+        _export_inplace_decoder(made, model, head_bits, solved)
+    _export_slot_decoder(made, model, head_bits, solved, two_groups=opts.max_slots > 0)
     made.add(Role.GENAI_CONFIG, write_genai_config(made.path(decoder_graph("onnxruntime", made))))
     if p in WEIGHT_ONLY:
-        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, head_bits))
+        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, head_bits, solved))
     if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
         apply_gelu_plugin(made.path(plugin_source(Role.DECODER_ONNX_PLUGIN, p)), _name(made, Role.DECODER_ONNX_PLUGIN),
                           fuse_bias=opts.fuse_bias)
@@ -469,7 +471,7 @@ def _name(made: Artifacts, role: Role) -> Path:
     return made.folder / TABLE[role].file_name(made.precision)
 
 
-def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None) -> None:
+def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None, solved=None) -> None:
     """The in-place decoder (graphs/inplace_decoder.py) in the build's precision. Its float32 source is not kept
     (the standard decoder's is, for the engines)."""
     from .graphs.inplace_decoder import export_inplace_decoder
@@ -479,12 +481,13 @@ def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None
         fp32 = _name(made, Role.DECODER_ONNX_INPLACE).with_name(TABLE[Role.DECODER_ONNX_INPLACE].file_name("fp32"))
         graph = export_inplace_decoder(model, fp32, quiet=True)
         if made.precision != "fp32":
-            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision, head_bits)
+            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision, head_bits, solved)
             fp32.unlink()
     made.add(Role.DECODER_ONNX_INPLACE, graph)
 
 
-def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None, two_groups: bool = False) -> None:
+def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None, solved=None,
+                         two_groups: bool = False) -> None:
     """The slot decoder (graphs/slot_decoder.py) in the build's precision: converted like the other float graphs,
     or, for int8/int4, in the Q/DQ form TensorRT imports (it has no MatMulNBits). Its float32 source is not kept.
     `two_groups`: also its two-group form (graphs/two_groups.py), the slot engine's graph."""
@@ -499,7 +502,7 @@ def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None, t
         graph = export_slot_decoder(model, fp32, quiet=True)
         if p != "fp32":
             convert = write_qdq if p in WEIGHT_ONLY else convert_precision
-            graph = convert(fp32, _name(made, Role.DECODER_ONNX_SLOTS), p, head_bits)
+            graph = convert(fp32, _name(made, Role.DECODER_ONNX_SLOTS), p, head_bits, solved)
             fp32.unlink()
     made.add(Role.DECODER_ONNX_SLOTS, graph)
     if two_groups:

@@ -6,7 +6,8 @@ bytes each reads per decode step, and batch-1 decode speed, in one run on one ma
     python benchmarks/int4_vs_llama_cpp.py BUILD --prompts 64 --new 64 --out benchmarks/results/int4-vs-llama-cpp.md
 
 Ours: the build's in-place decoder (fp32) quantized as `build --precision int4|int8` quantizes it
-(graphs/quantize.py, the head width measured by choose_head_bits), run by our runtime on ONNX Runtime. llama.cpp's:
+(graphs/quantize.py: int4's weights solved by GPTQ, the head width measured by choose_head_bits), run by our
+runtime on ONNX Runtime. llama.cpp's:
 the build written as an f32 GGUF (`package --gguf`), quantized by llama.cpp's own quantizer (llama-quantize's
 defaults: Q4_0 keeps the tied embedding / output at Q6_K), run by llama-cpp-python with its f32 KV cache. Both
 on the same random prompts; fidelity is against our fp32 decoder: the first next token's logits (largest
@@ -33,10 +34,12 @@ LLAMA_FTYPE = {"Q4_0": 2, "Q8_0": 7}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_0, _Q
 
 def ours(build: Path, tmp: Path, precision: str) -> Path:
     """The build's fp32 in-place decoder quantized as a `build --precision` would."""
-    from andrea_export.graphs.quantize import choose_head_bits, quantize_weights
+    from andrea_export.graphs.quantize import choose_head_bits, quantize_weights, solve_int4
 
-    head = choose_head_bits(build / "model.onnx")[0] if precision == "int4" else None
-    return quantize_weights(build / "decoder.inplace.onnx", tmp / precision / "decoder.inplace.onnx", precision, head)
+    solved = solve_int4(build / "model.onnx") if precision == "int4" else None
+    head = choose_head_bits(build / "model.onnx", solved=solved)[0] if precision == "int4" else None
+    return quantize_weights(build / "decoder.inplace.onnx", tmp / precision / "decoder.inplace.onnx", precision, head,
+                            solved)
 
 
 def llama_file(build: Path, tmp: Path, kind: str) -> Path:

@@ -51,9 +51,10 @@ FP32_OUTPUTS = (LOGITS,)  # stays float32 whatever the precision; other float I/
 
 
 
-def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str, head_bits: int | None = None) -> Path:
+def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str, head_bits: int | None = None,
+                      solved=None) -> Path:
     """Write `onnx_out`: the graph of `onnx_in` (an fp32 export) computing in `precision` (int4: its tied head at
-    `head_bits`, quantize.choose_head_bits).
+    `head_bits`, quantize.choose_head_bits, and its weights `solved`, quantize.solve_int4).
 
     precision: "fp16" or "bf16" ("fp32" copies the graph unchanged, with the metadata set).
     Weights go to `<onnx_out>.data` when the input kept them externally. Written atomically.
@@ -63,7 +64,7 @@ def convert_precision(onnx_in: str | Path, onnx_out: str | Path, precision: str,
     if precision in WEIGHT_ONLY:  # not a float type: ONNX Runtime's quantizer writes those graphs
         from .quantize import quantize_weights
 
-        return quantize_weights(onnx_in, onnx_out, precision, head_bits)
+        return quantize_weights(onnx_in, onnx_out, precision, head_bits, solved)
     onnx_in, onnx_out = Path(onnx_in), Path(onnx_out)
     if not onnx_in.is_file():
         raise ExportError(f"{onnx_in}: no such ONNX file")

@@ -49,6 +49,9 @@ from typing import Any
 #   (quantize.choose_head_bits): top-1 worst 91.0 % (next 94.5 %), max KL 1.8e-2, perplexity 344.08 (+7.4e-4);
 #   its engine's Q/DQ graph (head int8 per column) 344.65 (+2.4e-3). The bounds below hold both forms, and a
 #   broken int4 graph fails them.
+#   int4 solved by GPTQ (quantize.solve_int4), the demo's head then at 4 bits (it makes 40 % of the error),
+#   shape [2, 32]: top-1 98.4 %, max KL 2.1e-3, perplexity 344.60 (+2.3e-3); its Q/DQ graph 100 %, 1.1e-3,
+#   344.70 (+2.5e-3). (The head at 8 bits with GPTQ: +9.7e-4 and +3.2e-4, for 16 % more weight bytes.)
 #   (blocks of 64 / 32 until 2026-12-02: int8 0.221, 96.5 %, 8.7e-4, +5.0e-4; int4 1.50, 64.1 %, 2.5e-2,
 #   +6.3e-3. The larger blocks make int4's decode 15-19 % faster: quantize.py.)
 #

@@ -143,6 +143,76 @@ def test_int4_asymmetric_blocks_beat_min_max_and_keep_zero_exact():
     assert (err <= err_mm * (1 + 1e-5)).all() and err.sum() < 0.95 * err_mm.sum()
 
 
+def test_gptq_keeps_a_layers_output_where_rounding_keeps_its_weights():
+    """quantize_gptq: quantize_asymmetric's format; with isotropic inputs (E[x x^T] = I: no error worth pushing
+    on) exactly its rounding; with inputs that carry a mean and correlations, as a model's layers do, an output
+    error on inputs it never saw far below rounding's, at the same bytes."""
+    from andrea_export.graphs.quantize import quantize_asymmetric, quantize_gptq, quantize_symmetric
+
+    rng = np.random.default_rng(0)
+    k, n, block = 256, 48, 64
+    w = rng.normal(0, 0.02, (k, n)).astype(np.float32)
+    rounded = quantize_asymmetric(w, 4, block)
+    for a, b in zip(quantize_gptq(w, np.eye(k), 4, block), rounded):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    q, s, z = quantize_gptq(w, np.eye(k), 4, 32, symmetric=True)  # the engines' form: TensorRT's symmetric blocks
+    for a, b in zip((q, s), quantize_symmetric(w, 4, 32)):
+        np.testing.assert_array_equal(a, b)
+    assert q.dtype == np.int8 and not z.any()
+    mix, mean = rng.normal(0, 1, (k, k)) / np.sqrt(k), rng.normal(0, 1, k)
+
+    def inputs(rows):
+        return rng.normal(0, 1, (rows, k)) @ mix + mean
+
+    x = inputs(2048)
+    q, s, z = quantize_gptq(w, x.T @ x / len(x), 4, block)
+    assert q.dtype == z.dtype == np.uint8 and q.max() <= 15 and z.max() <= 15 and (s > 0).all()
+
+    def output_error(q, s, z):
+        deq = (q.astype(np.float32) - np.repeat(z, block, axis=0)) * np.repeat(s, block, axis=0)
+        assert np.abs(deq - w).max() < 0.05  # still these weights, not another's
+        unseen = inputs(2048)
+        return float(((unseen @ (deq - w)) ** 2).sum())
+
+    assert output_error(q, s, z) < 0.5 * output_error(*rounded)
+
+
+def test_int4_weights_solved_once_serve_every_graph_and_keep_the_model(tiny_model, tiny_onnx, lively_model, tmp_path):
+    """solve_int4 on the standard graph: every weight MatMul solved in both of int4's forms, and the in-place
+    decoder (another export of the same weights) takes the same integers. On the trained demo, whose layers'
+    inputs are far from isotropic, the solved int4 graphs keep the next-token distribution on random ids (not the
+    calibration's) several times closer than rounding does (measured, the head at 4 bits: KL 0.0005 against
+    0.0087 for MatMulNBits; the engines' Q/DQ form too)."""
+    from andrea_export.graphs.export import export_onnx
+    from andrea_export.graphs.inplace_decoder import export_inplace_decoder
+    from andrea_export.graphs.quantize import _kl, solve_int4
+
+    solved = solve_int4(tiny_onnx)
+    assert len(solved) == 2 * len(TINY_MATMULS)
+
+    def weights(path, op):  # the integers of every quantized weight, in no particular order
+        model = onnx.load(str(path))
+        inits = {t.name: t for t in model.graph.initializer}
+        weight = {"MatMulNBits": 1, "DequantizeLinear": 0}[op]
+        return sorted(onnx.numpy_helper.to_array(inits[n.input[weight]]).tobytes()
+                      for n in model.graph.node if n.op_type == op)
+
+    decoder = export_inplace_decoder(tiny_model, tmp_path / "decoder.inplace.onnx", quiet=True)
+    for op, write in (("MatMulNBits", quantize_weights), ("DequantizeLinear", write_qdq)):
+        standard = weights(write(tiny_onnx, tmp_path / f"model.{op}.onnx", "int4", solved=solved), op)
+        assert weights(write(decoder, tmp_path / f"decoder.{op}.onnx", "int4", solved=solved), op) == standard
+        assert weights(write(tiny_onnx, tmp_path / f"rounded.{op}.onnx", "int4"), op) != standard
+
+    trained = export_onnx(lively_model, tmp_path / "lively.onnx", quiet=True)
+    ids = np.random.default_rng(5).integers(0, ANDREA_TINY.vocab_size, (8, 64))
+    ref, solved = _run(trained, ids), solve_int4(trained)
+    for write, factor in ((quantize_weights, 0.2), (write_qdq, 0.5)):
+        kl = {name: _kl(ref, _run(write(trained, tmp_path / f"lively.{name}.onnx", "int4", 4, got), ids, 0))
+              for name, got in (("rounded", None), ("solved", solved))}
+        assert kl["solved"] < factor * kl["rounded"], (write.__name__, kl)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k", [64, 96])  # 96 = 3 blocks of 32: a column's odd block count pads its zero points
 def test_matmulnbits_packing_is_what_onnx_runtime_computes(bits, k):
@@ -242,8 +312,8 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
     assert a["weights"] == f"weights.{precision}.data"
     assert manifest["builder"]["source_graph"] == a["onnx_qdq"]  # the engine is built from the Q/DQ graph
     # (bits, block, accuracy level): int8 in blocks of 128 (64 where K = 64); int4's body in blocks of 64, and the
-    # trained demo's head, where its error sits (choose_head_bits), at 8 bits
-    want = {"int8": {(8, 64, 4), (8, 128, 4)}, "int4": {(4, 64, 4), (8, 64, 4)}}[precision]
+    # trained demo's head in 32: GPTQ-solved (solve_int4) it makes 40 % of int4's error, not most (choose_head_bits)
+    want = {"int8": {(8, 64, 4), (8, 128, 4)}, "int4": {(4, 64, 4), (4, 32, 4)}}[precision]
     for graph in (a["onnx"], a["decoder_onnx"], a["decoder_onnx_inplace"]):
         assert {(m["bits"], m["block_size"], m["accuracy_level"]) for m in matmulnbits(onnx.load(str(out / graph)))} == want
     assert report["perplexity"]["computed"] and report["perplexity"]["max_rel_diff"] == MAX_PPL_REL[precision]

@@ -72,10 +72,17 @@ class Context:
 
     def quantized(self, fp32: Path, precision: str) -> Path:
         """The weight-only `precision` ("int8" / "int4") graph of the fp32 export `fp32` (graphs/quantize.py),
-        cached beside it as <stem>.<precision>.onnx."""
-        from ...graphs.quantize import quantize_weights
+        cached beside it as <stem>.<precision>.onnx: int4's weights solved on the standard graph, as a build's."""
+        from ...graphs.quantize import choose_head_bits, quantize_weights, solve_int4
 
-        return self.cached(f"{fp32.stem}.{precision}.onnx", lambda p: quantize_weights(fp32, p, precision))
+        def write(path: Path) -> Path:
+            if precision != "int4":
+                return quantize_weights(fp32, path, precision)
+            solved = solve_int4(self.prefill_onnx())
+            head_bits = choose_head_bits(self.prefill_onnx(), solved=solved)[0]
+            return quantize_weights(fp32, path, precision, head_bits, solved)
+
+        return self.cached(f"{fp32.stem}.{precision}.onnx", write)
 
 
 def _exporter_fingerprint() -> str:
