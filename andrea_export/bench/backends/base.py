@@ -72,15 +72,13 @@ class Context:
 
     def quantized(self, fp32: Path, precision: str) -> Path:
         """The weight-only `precision` ("int8" / "int4") graph of the fp32 export `fp32` (graphs/quantize.py),
-        cached beside it as <stem>.<precision>.onnx: int4's weights solved on the standard graph, as a build's."""
-        from ...graphs.quantize import choose_head_bits, quantize_weights, solve_int4
+        cached beside it as <stem>.<precision>.onnx: int4's weights solved on the standard graph as a build's are,
+        its head at 4 bits whatever choose_head_bits would say (the bytes the bench's rows count)."""
+        from ...graphs.quantize import quantize_weights, solve_int4
 
         def write(path: Path) -> Path:
-            if precision != "int4":
-                return quantize_weights(fp32, path, precision)
-            solved = solve_int4(self.prefill_onnx())
-            head_bits = choose_head_bits(self.prefill_onnx(), solved=solved)[0]
-            return quantize_weights(fp32, path, precision, head_bits, solved)
+            solved = solve_int4(self.prefill_onnx()) if precision == "int4" else None
+            return quantize_weights(fp32, path, precision, solved=solved)
 
         return self.cached(f"{fp32.stem}.{precision}.onnx", write)
 
