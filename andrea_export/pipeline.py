@@ -340,9 +340,9 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     from .verify.folder import verify_folder
 
     made = Artifacts(tmp, opts.precision)
-    plugin_report, head_bits, solved = _export_graphs(made, model, opts, builder)
+    plugin_report, int4 = _export_graphs(made, model, opts, builder)
     if opts.decoder:
-        _export_decoders(made, model, opts, builder, head_bits, solved)
+        _export_decoders(made, model, opts, builder, int4)
     _share_weights(made)
     _copy_text_files(made, opts, model.cfg)
     result = _build_engine(made, Role.ENGINE, opts, builder, profiles, timing_cache)
@@ -359,10 +359,11 @@ def _build_into(tmp: Path, out: Path, opts, model, builder: str, profiles, timin
     report = verify_folder(tmp, model, opts.precision, made, result.to_dict(), opts.verify_shapes,
                            opts.greedy_steps, evaluation)
     made.add(Role.VERIFY_REPORT, report.save(tmp / TABLE[Role.VERIFY_REPORT].file_name(opts.precision)))
-    return _manifest(opts, model, builder, profiles, made, result, plugin_report, report)
+    return _manifest(opts, model, builder, profiles, made, result, plugin_report, report, int4)
 
 
-def _manifest(opts, model, builder: str, profiles, made: Artifacts, result, plugin_report, report) -> dict:
+def _manifest(opts, model, builder: str, profiles, made: Artifacts, result, plugin_report, report, int4=None) -> dict:
+    from .names import WEIGHT_ONLY
     from .verify.folder import build_status, verification_record
 
     cfg = model.cfg
@@ -375,6 +376,7 @@ def _manifest(opts, model, builder: str, profiles, made: Artifacts, result, plug
         "model": cfg.to_dict(),
         "weights": model.weights_source,
         "precision": opts.precision,
+        **({"quantization": _quantization(int4)} if opts.precision in WEIGHT_ONLY else {}),
         "builder": {"name": result.builder, "version": result.builder_version,
                     "compute_capabilities": result.compute_capabilities,
                     "compute_capabilities_default": result.compute_capabilities_default,
@@ -399,12 +401,12 @@ def engine_sources(artifacts, builder: str, precision: str) -> dict[str, str]:
 
 def _export_graphs(made: Artifacts, model, opts, builder: str):
     """The standard graph (and its fp32 source, and the Q/DQ form of a weight-only build) and the plugin graph
-    made from the engine's graph. Returns the plugin report, and an int4 build's head width and GPTQ-solved weights
-    (None otherwise), which its other graphs take too."""
+    made from the engine's graph. Returns the plugin report, and an int4 build's weights and head width
+    (quantize.Int4Weights; None otherwise), which its other graphs take too."""
     from .graphs.export import export_onnx
     from .graphs.gelu_plugin import apply_gelu_plugin
     from .graphs.precision import convert_precision
-    from .graphs.quantize import choose_head_bits, solve_int4, write_qdq
+    from .graphs.quantize import choose_int4, write_qdq
     from .names import WEIGHT_ONLY
 
     p = opts.precision
@@ -412,30 +414,40 @@ def _export_graphs(made: Artifacts, model, opts, builder: str):
             else f"graph to {p} (LayerNorm and softmax stay float32)")
     fp32 = _name(made, Role.ONNX_FP32 if p != "fp32" else Role.ONNX)
     export_onnx(model, fp32)
-    head_bits = solved = None
+    int4 = None
     if p == "int4":
-        with step("Solving the int4 weights (GPTQ: each layer's error weighed by its inputs on random ids)"):
-            solved = solve_int4(fp32)
-        with step("Measuring where int4's error sits (the tied head alone, and all of it, on random ids)"):
-            head_bits, share = choose_head_bits(fp32, solved=solved)
-        console.print(f"  the tied head alone makes {share:.0%} of int4's error: it is quantized at {head_bits} bits")
+        with step("Solving the int4 weights (GPTQ: each layer's error weighed by its inputs on random ids), and "
+                  "measuring the tied head's share of their error"):
+            int4 = choose_int4(fp32)
+        console.print(f"  the tied head alone makes {int4.head_share:.0%} of int4's error: it is quantized at "
+                      f"{int4.head_bits} bits")
     if p != "fp32":
         made.add(Role.ONNX_FP32, fp32)
         with step(f"Converting the {what}"):
-            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p, head_bits, solved))
+            made.add(Role.ONNX, convert_precision(fp32, _name(made, Role.ONNX), p, *_int4_args(int4)))
     else:
         made.add(Role.ONNX, fp32)
     if p in WEIGHT_ONLY:  # TensorRT imports no MatMulNBits: its graphs quantize the fp32 weights as DequantizeLinear
-        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p, head_bits, solved))
+        made.add(Role.ONNX_QDQ, write_qdq(fp32, _name(made, Role.ONNX_QDQ), p, *_int4_args(int4)))
     with step("Handing every tanh-GELU to the plugin (graph pass)"):
         plugin_report = apply_gelu_plugin(made.path(plugin_source(Role.ONNX_PLUGIN, p)), _name(made, Role.ONNX_PLUGIN),
                                           fuse_bias=opts.fuse_bias)
     made.add(Role.ONNX_PLUGIN, _name(made, Role.ONNX_PLUGIN))
     console.print(f"  {plugin_report.summary()}")
-    return plugin_report, head_bits, solved
+    return plugin_report, int4
 
 
-def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int | None = None, solved=None) -> None:
+def _int4_args(int4) -> tuple:
+    """(head_bits, solved) of an int4 build's Int4Weights for the graph converters; (None, None) for any other."""
+    return (int4.head_bits, int4.solved) if int4 else (None, None)
+
+
+def _quantization(int4) -> dict:
+    """The manifest's record of how a weight-only build's weights were quantized."""
+    return int4.record() if int4 else {"method": "round-to-nearest"}
+
+
+def _export_decoders(made: Artifacts, model, opts, builder: str, int4=None) -> None:
     """The KV-cache decoder in the build's precision (and its fp32 source), the in-place decoder ONNX Runtime and
     onnxruntime-genai run, genai's config, and the decoder engine's Q/DQ and plugin graphs."""
     from .deploy.genai import write_genai_config
@@ -451,15 +463,15 @@ def _export_decoders(made: Artifacts, model, opts, builder: str, head_bits: int 
                                    quiet=True)
     if p != "fp32":
         made.add(Role.DECODER_ONNX_FP32, fp32)
-        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p, head_bits, solved))
+        made.add(Role.DECODER_ONNX, convert_precision(fp32, _name(made, Role.DECODER_ONNX), p, *_int4_args(int4)))
     else:
         made.add(Role.DECODER_ONNX, fp32)
     if p != "bf16":  # ONNX Runtime's CPU provider, which runs this graph, has no bf16 kernels
-        _export_inplace_decoder(made, model, head_bits, solved)
-    _export_slot_decoder(made, model, head_bits, solved, two_groups=opts.max_slots > 0)
+        _export_inplace_decoder(made, model, int4)
+    _export_slot_decoder(made, model, int4, two_groups=opts.max_slots > 0)
     made.add(Role.GENAI_CONFIG, write_genai_config(made.path(decoder_graph("onnxruntime", made))))
     if p in WEIGHT_ONLY:
-        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, head_bits, solved))
+        made.add(Role.DECODER_ONNX_QDQ, write_qdq(fp32, _name(made, Role.DECODER_ONNX_QDQ), p, *_int4_args(int4)))
     if builder == "tensorrt":  # RTX has no plugin layers: it builds the standard decoder graph
         apply_gelu_plugin(made.path(plugin_source(Role.DECODER_ONNX_PLUGIN, p)), _name(made, Role.DECODER_ONNX_PLUGIN),
                           fuse_bias=opts.fuse_bias)
@@ -471,7 +483,7 @@ def _name(made: Artifacts, role: Role) -> Path:
     return made.folder / TABLE[role].file_name(made.precision)
 
 
-def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None, solved=None) -> None:
+def _export_inplace_decoder(made: Artifacts, model, int4=None) -> None:
     """The in-place decoder (graphs/inplace_decoder.py) in the build's precision. Its float32 source is not kept
     (the standard decoder's is, for the engines)."""
     from .graphs.inplace_decoder import export_inplace_decoder
@@ -481,13 +493,12 @@ def _export_inplace_decoder(made: Artifacts, model, head_bits: int | None = None
         fp32 = _name(made, Role.DECODER_ONNX_INPLACE).with_name(TABLE[Role.DECODER_ONNX_INPLACE].file_name("fp32"))
         graph = export_inplace_decoder(model, fp32, quiet=True)
         if made.precision != "fp32":
-            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision, head_bits, solved)
+            graph = convert_precision(fp32, _name(made, Role.DECODER_ONNX_INPLACE), made.precision, *_int4_args(int4))
             fp32.unlink()
     made.add(Role.DECODER_ONNX_INPLACE, graph)
 
 
-def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None, solved=None,
-                         two_groups: bool = False) -> None:
+def _export_slot_decoder(made: Artifacts, model, int4=None, two_groups: bool = False) -> None:
     """The slot decoder (graphs/slot_decoder.py) in the build's precision: converted like the other float graphs,
     or, for int8/int4, in the Q/DQ form TensorRT imports (it has no MatMulNBits). Its float32 source is not kept.
     `two_groups`: also its two-group form (graphs/two_groups.py), the slot engine's graph."""
@@ -502,7 +513,7 @@ def _export_slot_decoder(made: Artifacts, model, head_bits: int | None = None, s
         graph = export_slot_decoder(model, fp32, quiet=True)
         if p != "fp32":
             convert = write_qdq if p in WEIGHT_ONLY else convert_precision
-            graph = convert(fp32, _name(made, Role.DECODER_ONNX_SLOTS), p, head_bits, solved)
+            graph = convert(fp32, _name(made, Role.DECODER_ONNX_SLOTS), p, *_int4_args(int4))
             fp32.unlink()
     made.add(Role.DECODER_ONNX_SLOTS, graph)
     if two_groups:

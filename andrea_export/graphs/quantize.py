@@ -59,6 +59,7 @@ MatMul). The accuracy of each form is in verify/thresholds.py; `engine/onnx_rule
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -195,6 +196,30 @@ def solve_int4(onnx_fp32: str | Path, head_bits: int | None = None) -> Solved:
         if not readers[n.input[0]]:  # a moment is K x K float64: 1 GB of them for ANDREA-120M, freed as used
             del moments[n.input[0]]
     return solved
+
+
+@dataclass(frozen=True)
+class Int4Weights:
+    """What an int4 build's graphs share (choose_int4): the GPTQ-solved weights, the tied head's width, and the
+    share of int4's error the head alone made when that width was chosen (choose_head_bits)."""
+
+    solved: Solved
+    head_bits: int
+    head_share: float
+
+    def record(self) -> dict[str, Any]:
+        """How the weights were made, for the build's manifest ("quantization")."""
+        calibration = {k: CALIBRATION[k] for k in ("seed", "prompts", "length")}
+        return {"method": "gptq", "calibration": {"ids": "random", **calibration}, "damp": GPTQ_DAMP,
+                "head_bits": self.head_bits, "head_error_share": round(self.head_share, 4)}
+
+
+def choose_int4(onnx_fp32: str | Path) -> Int4Weights:
+    """An int4 build's weights, solved once on its fp32 standard graph (solve_int4), and its head's width,
+    measured on those weights (choose_head_bits)."""
+    solved = solve_int4(onnx_fp32)
+    head_bits, share = choose_head_bits(onnx_fp32, solved=solved)
+    return Int4Weights(solved, head_bits, share)
 
 
 def _digest(w: np.ndarray, bits: int, block: int, symmetric: bool = False) -> str:

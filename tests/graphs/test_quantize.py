@@ -183,7 +183,7 @@ def test_int4_weights_solved_once_serve_every_graph_and_keep_the_model(tiny_mode
     decoder (another export of the same weights) takes the same integers. On the trained demo, whose layers'
     inputs are far from isotropic, the solved int4 graphs keep the next-token distribution on random ids (not the
     calibration's) several times closer than rounding does (measured, the head at 4 bits: KL 0.0005 against
-    0.0087 for MatMulNBits; the engines' Q/DQ form too)."""
+    0.0087 for MatMulNBits, 0.0004 against 0.0080 for the engines' Q/DQ form)."""
     from andrea_export.graphs.export import export_onnx
     from andrea_export.graphs.inplace_decoder import export_inplace_decoder
     from andrea_export.graphs.quantize import _kl, solve_int4
@@ -207,7 +207,7 @@ def test_int4_weights_solved_once_serve_every_graph_and_keep_the_model(tiny_mode
     trained = export_onnx(lively_model, tmp_path / "lively.onnx", quiet=True)
     ids = np.random.default_rng(5).integers(0, ANDREA_TINY.vocab_size, (8, 64))
     ref, solved = _run(trained, ids), solve_int4(trained)
-    for write, factor in ((quantize_weights, 0.2), (write_qdq, 0.5)):
+    for write, factor in ((quantize_weights, 0.2), (write_qdq, 0.2)):
         kl = {name: _kl(ref, _run(write(trained, tmp_path / f"lively.{name}.onnx", "int4", 4, got), ids, 0))
               for name, got in (("rounded", None), ("solved", solved))}
         assert kl["solved"] < factor * kl["rounded"], (write.__name__, kl)
@@ -311,6 +311,12 @@ def test_quantized_build_verifies_with_its_figures_in_verify_json(quantized_buil
     assert a["onnx_qdq"] == f"model.{precision}.qdq.onnx" and a["decoder_onnx_qdq"] == f"decoder.{precision}.qdq.onnx"
     assert a["weights"] == f"weights.{precision}.data"
     assert manifest["builder"]["source_graph"] == a["onnx_qdq"]  # the engine is built from the Q/DQ graph
+    how = manifest["quantization"]  # how the weights were made, and what the head measured
+    if precision == "int8":
+        assert how == {"method": "round-to-nearest"}
+    else:
+        assert how["method"] == "gptq" and how["calibration"]["ids"] == "random" and how["head_bits"] == 4
+        assert 0.2 < how["head_error_share"] < 0.5, how  # measured 0.40: below HEAD_SHARE, so 4 bits
     # (bits, block, accuracy level): int8 in blocks of 128 (64 where K = 64); int4's body in blocks of 64, and the
     # trained demo's head in 32: GPTQ-solved (solve_int4) it makes 40 % of int4's error, not most (choose_head_bits)
     want = {"int8": {(8, 64, 4), (8, 128, 4)}, "int4": {(4, 64, 4), (4, 32, 4)}}[precision]
