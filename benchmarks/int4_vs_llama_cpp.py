@@ -34,12 +34,11 @@ LLAMA_FTYPE = {"Q4_0": 2, "Q8_0": 7}  # llama_ftype: LLAMA_FTYPE_MOSTLY_Q4_0, _Q
 
 def ours(build: Path, tmp: Path, precision: str) -> Path:
     """The build's fp32 in-place decoder quantized as a `build --precision` would."""
-    from andrea_export.graphs.quantize import choose_head_bits, quantize_weights, solve_int4
+    from andrea_export.graphs.quantize import choose_int4, quantize_weights
 
-    solved = solve_int4(build / "model.onnx") if precision == "int4" else None
-    head = choose_head_bits(build / "model.onnx", solved=solved)[0] if precision == "int4" else None
-    return quantize_weights(build / "decoder.inplace.onnx", tmp / precision / "decoder.inplace.onnx", precision, head,
-                            solved)
+    int4 = choose_int4(build / "model.onnx") if precision == "int4" else None
+    return quantize_weights(build / "decoder.inplace.onnx", tmp / precision / "decoder.inplace.onnx", precision,
+                            *((int4.head_bits, int4.solved) if int4 else (None, None)))
 
 
 def llama_file(build: Path, tmp: Path, kind: str) -> Path:
