@@ -10,7 +10,7 @@ __getattr__, __dir__, __all__ = lazy_exports(__name__, {
     "kvcache": ["export_decoder_onnx", "optimization_profiles"],
     "inplace_decoder": ["export_inplace_decoder"],
     "precision": ["PRECISIONS", "convert_precision", "graph_precision"],
-    "quantize": ["quantize_weights", "write_qdq"],
+    "quantize": ["Int4Weights", "choose_int4", "quantize_weights", "solve_int4", "write_qdq"],
     "gelu_plugin": ["GeluPluginReport", "apply_gelu_plugin"],
     "external_data": ["external_data_files", "graph_weights", "share_weights"],
 })
