@@ -10,8 +10,9 @@ Ours: the build's in-place decoder (fp32) quantized as `build --precision int4|i
 runtime on ONNX Runtime. llama.cpp's:
 the build written as an f32 GGUF (`package --gguf`), quantized by llama.cpp's own quantizer (llama-quantize's
 defaults: Q4_0 keeps the tied embedding / output at Q6_K), run by llama-cpp-python with its f32 KV cache. Both
-on the same random prompts; fidelity is against our fp32 decoder: the first next token's logits (largest
-difference, top-1 kept, mean KL) and greedy tokens position by position. Needs llama-cpp-python, which compiles
+on the same random prompts, and so is our own q4_0 GGUF (`package --gguf --gguf-type q4_0`: its linear layers
+GPTQ-solved, the token embedding q8_0). Fidelity is against our fp32 decoder: the first next token's logits
+(largest difference, top-1 kept, mean KL) and greedy tokens position by position. Needs llama-cpp-python, which compiles
 llama.cpp from source (`pip install llama-cpp-python`: about 12 minutes on 2 cores).
 """
 
@@ -187,6 +188,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None, help="also write the table (markdown) and a .json beside it")
     args = ap.parse_args()
     from andrea_export.bench.machine import environment, measure_machine
+    from andrea_export.deploy.gguf import write_gguf
 
     from andrea_export.graphs.layout import read_config
 
@@ -203,6 +205,8 @@ def main() -> None:
         for kind in ("Q8_0", "Q4_0"):
             path = llama_file(args.build, tmp, kind)
             runners[f"llama.cpp {kind}"] = (Llama(path, args.threads, context), gguf_bytes(path))
+        path = write_gguf(args.build, tmp / "ours-q4_0.gguf", "q4_0")  # GPTQ-solved Q4_0 blocks (deploy/gguf.py)
+        runners["llama.cpp, our q4_0 GGUF"] = (Llama(path, args.threads, context), gguf_bytes(path))
         results = {name: {"first": np.stack([r.first(p) for p in prompts]), "greedy": [r.greedy(p, args.new) for p in prompts]}
                    for name, (r, _) in runners.items()}
         generators = {}  # (runner, batch) -> generate(prompts, n)

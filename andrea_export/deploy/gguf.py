@@ -13,6 +13,12 @@ formats (blocks of 32 along each row), quantized by gguf's numpy code, the same 
 quantizers. Vectors (norms, biases) stay f32, as llama.cpp's converter keeps them. At 4 and 5 bits the token
 embedding, which is also the output projection, is written q8_0: llama-quantize keeps that tensor at 6 bits
 (Q6_K, which gguf cannot write), since most of a 4-bit model's error is there.
+
+At q4_0 the linear layers' blocks are not rounded but solved by GPTQ (`q4_0_blocks`), as the build's int4 is:
+each layer's error weighed by its input's second moment over seeded random ids on the fp32 graph
+(graphs/quantize.weight_moments), in Q4_0's own grid (scale = the block's largest-magnitude value / -8, float16),
+so llama.cpp reads the file as any Q4_0. On ANDREA-120M's seeded weights, run by llama.cpp: next-token KL from
+fp32 0.0029 against llama-quantize's Q4_0's 0.0081 (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": (
               "q4_1": ("Q4_1", "MOSTLY_Q4_1"), "q4_0": ("Q4_0", "MOSTLY_Q4_0")}
 LOW_BITS = ("q5_1", "q5_0", "q4_1", "q4_0")  # whose token embedding (the tied head) is written q8_0
 GGML_BLOCK = 32  # the row block of every quantized type here
+GPTQ_TYPES = ("q4_0",)  # whose linear layers' integers GPTQ chooses (q4_0_blocks), not rounding
 
 
 def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, overwrite: bool = False,
@@ -75,11 +82,12 @@ def write_gguf_of_graph(graph: Path, cfg, out: Path, gguf_type: str, vocab: dict
 
     gguf = require("gguf", "gguf", "Writing a GGUF file")
     tensors = gpt2_tensors(_load(graph), cfg)
+    moments = _moments(graph) if gguf_type in GPTQ_TYPES else {}
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCH)
         _add_metadata(writer, gguf, cfg, gguf_type, vocab)
         for name, array in tensors.items():
-            _add_tensor(writer, gguf, name, array, gguf_type)
+            _add_tensor(writer, gguf, name, array, gguf_type, moments)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -233,10 +241,24 @@ def _add_metadata(writer, gguf, cfg, gguf_type: str, vocab: dict | None) -> None
         writer.add_chat_template(vocab["chat_template"])
 
 
-def _add_tensor(writer, gguf, name: str, array: np.ndarray, gguf_type: str) -> None:
-    """One tensor in the type `gguf_type` asks for: vectors f32; the token embedding q8_0 at 4 and 5 bits."""
+def _moments(graph: Path) -> dict[str, np.ndarray]:
+    from ..graphs.quantize import weight_moments
+
+    return weight_moments(graph)
+
+
+def _add_tensor(writer, gguf, name: str, array: np.ndarray, gguf_type: str, moments: dict | None = None) -> None:
+    """One tensor in the type `gguf_type` asks for: vectors f32; the token embedding q8_0 at 4 and 5 bits; a
+    linear layer's weight whose input moment `moments` holds (weight_moments), in q4_0, solved by GPTQ."""
     kind = "q8_0" if name == "token_embd.weight" and gguf_type in LOW_BITS else gguf_type
     qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[kind][0])
+    if kind in GPTQ_TYPES and array.ndim == 2 and array.shape[1] % GGML_BLOCK == 0:
+        from ..graphs.quantize import _digest
+
+        w = np.ascontiguousarray(array.T, dtype=np.float32)  # ggml's [out, in] as the graph's [K, N]
+        if (moment := (moments or {}).get(_digest(w, 0, 0))) is not None:
+            writer.add_tensor(name, q4_0_blocks(w, moment), raw_dtype=qtype)
+            return
     if array.ndim == 1 or kind == "f32":
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     elif kind == "f16":
@@ -246,3 +268,18 @@ def _add_tensor(writer, gguf, name: str, array: np.ndarray, gguf_type: str) -> N
             raise PackageError(f"{name}: rows of {array.shape[-1]} values do not split into ggml's blocks of "
                                f"{GGML_BLOCK}; write --gguf-type f32, f16 or bf16")
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+
+
+def q4_0_blocks(w: np.ndarray, moment: np.ndarray) -> np.ndarray:
+    """ggml's Q4_0 bytes [N, K / 32 * 18] of a linear layer's weight w [K, N] (the graph's layout; ggml's rows are
+    its N columns), its integers chosen by GPTQ against `moment` (graphs/quantize.quantize_gptq, form "q4_0"):
+    each block of 32 along a row is its float16 scale, then 16 bytes holding values j and j + 16 in the low and
+    high nibble of byte j, as ggml's block_q4_0 lays them out."""
+    from ..graphs.quantize import quantize_gptq
+
+    K, N = w.shape
+    q, scales, _ = quantize_gptq(w, moment, 4, GGML_BLOCK, form="q4_0")
+    rows = q.T.reshape(N, K // GGML_BLOCK, GGML_BLOCK)
+    nibbles = (rows[..., :16] | (rows[..., 16:] << 4)).astype(np.uint8)
+    d = np.ascontiguousarray(scales.T.astype("<f2")).view(np.uint8).reshape(N, K // GGML_BLOCK, 2)
+    return np.concatenate([d, nibbles], axis=-1).reshape(N, -1)

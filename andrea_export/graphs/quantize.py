@@ -179,23 +179,39 @@ def solve_int4(onnx_fp32: str | Path, head_bits: int | None = None) -> Solved:
         raise ExportError(f"{onnx_fp32}: is not an fp32 graph; solve int4 on the fp32 export")
     _fold_tied_head(model)
     plan = _plan(model, "int4", head_bits, True, onnx_fp32.name)
-    inits = {t.name: t for t in model.graph.initializer}
-    nodes = [n for n in model.graph.node if n.name in plan]
-    moments = input_moments(model, onnx_fp32, sorted({n.input[0] for n in nodes}))
-    readers = {x: sum(n.input[0] == x for n in nodes) for x in moments}
     engine = ENGINE_QUANT["int4"]["block_size"]
     solved: Solved = {}
-    for n in nodes:
-        w = numpy_helper.to_array(inits[n.input[1]]).astype(np.float32)
+    for n, w, moment in _weights_and_moments(model, onnx_fp32, plan):
         bits, block = plan[n.name]
-        solved[_digest(w, bits, block)] = quantize_gptq(w, moments[n.input[0]], bits, block)
+        solved[_digest(w, bits, block)] = quantize_gptq(w, moment, bits, block)
         if bits == 4 and w.shape[0] % engine == 0:
-            solved[_digest(w, 4, engine, symmetric=True)] = quantize_gptq(w, moments[n.input[0]], 4, engine,
-                                                                          symmetric=True)
-        readers[n.input[0]] -= 1
-        if not readers[n.input[0]]:  # a moment is K x K float64: 1 GB of them for ANDREA-120M, freed as used
-            del moments[n.input[0]]
+            solved[_digest(w, 4, engine, symmetric=True)] = quantize_gptq(w, moment, 4, engine, form="symmetric")
     return solved
+
+
+def weight_moments(onnx_fp32: str | Path) -> dict[str, np.ndarray]:
+    """E[x x^T] of the input of each weight MatMul of an fp32 standard graph (its tied head folded) over
+    CALIBRATION's random ids, keyed by a digest of the weight [K, N] (_digest(w, 0, 0)): what GPTQ weighs a
+    weight's error by, for a writer of another format (deploy/gguf.py's q4_0)."""
+    onnx_fp32 = Path(onnx_fp32)
+    model = onnx.load(str(onnx_fp32))
+    _fold_tied_head(model)
+    plan = _plan(model, "int4", None, True, onnx_fp32.name)
+    return {_digest(w, 0, 0): moment for _, w, moment in _weights_and_moments(model, onnx_fp32, plan)}
+
+
+def _weights_and_moments(model: onnx.ModelProto, source: Path, plan: dict[str, tuple[int, int]]):
+    """(node, its float32 weight [K, N], E[x x^T] of its input) for each node `plan` names, in graph order; each
+    moment is dropped once its last reader is given it (a moment is K x K float64: 1 GB of them for ANDREA-120M)."""
+    inits = {t.name: t for t in model.graph.initializer}
+    nodes = [n for n in model.graph.node if n.name in plan]
+    moments = input_moments(model, source, sorted({n.input[0] for n in nodes}))
+    readers = {x: sum(n.input[0] == x for n in nodes) for x in moments}
+    for n in nodes:
+        yield n, numpy_helper.to_array(inits[n.input[1]]).astype(np.float32), moments[n.input[0]]
+        readers[n.input[0]] -= 1
+        if not readers[n.input[0]]:
+            del moments[n.input[0]]
 
 
 @dataclass(frozen=True)
@@ -405,13 +421,14 @@ def _asymmetric_grid(groups: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndar
 
 
 def quantize_gptq(w: np.ndarray, moment: np.ndarray, bits: int, block: int, damp: float = GPTQ_DAMP,
-                  symmetric: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """quantize_asymmetric's integers, scales and zero points for a [K, N] weight (`symmetric`: quantize_symmetric's
-    integers and scales, and zero points of 0), chosen by GPTQ (Frantar et al., 2022) to keep the layer's output
+                  form: str = "asymmetric") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Integers, scales and zero points [K / block, N] for a [K, N] weight in `form`: "asymmetric" as
+    quantize_asymmetric's (integers in [0, 2^bits - 1]); "symmetric" as quantize_symmetric's (signed integers,
+    zero points 0); "q4_0" as ggml's Q4_0 (4 bits, integers in [0, 15] about a zero point of 8, each block's scale
+    its largest-magnitude value / -8 in float16), chosen by GPTQ (Frantar et al., 2022) to keep the layer's output
     rather than its weights: rows (inputs) are rounded one at a time, and each row's error, weighed by the inverse
     of `moment` (E[x x^T] of the layer's input, [K, K], damped by `damp` times its mean diagonal), is pushed onto
-    the rows not yet rounded. A block's grid (_asymmetric_grid, or _symmetric_scales about a zero point of
-    2^(bits-1)) is set from its rows as they stand when the block is reached. Rows are taken in spans of at least
+    the rows not yet rounded. A block's grid is set from its rows as they stand when the block is reached. Rows are taken in spans of at least
     128, the rest of the weight updated once a span (the lazy batch update of GPTQ's reference code).
 
     On ANDREA-120M's seeded weights the inputs are far from isotropic (a mean a third to two thirds of the
@@ -433,20 +450,31 @@ def quantize_gptq(w: np.ndarray, moment: np.ndarray, bits: int, block: int, damp
         errs = np.empty((i2 - i1, N))
         for k in range(i1, i2):
             if k % block == 0:
-                group = W[None, k:k + block].astype(np.float32)
-                if symmetric:
-                    s, z = _symmetric_scales(group, bits)[0, 0], np.float32(2 ** (bits - 1))
-                else:
-                    s, z = (a[0, 0] for a in _asymmetric_grid(group, bits))
+                s, z = _gptq_grid(W[None, k:k + block].astype(np.float32), bits, form)
                 scales[k // block], zps[k // block] = s, z
             row = W[k].astype(np.float32)
             q[k] = np.clip(np.rint(row / s) + z, 0, qmax)
             errs[k - i1] = (W[k] - (q[k] - z) * s) / U[k, k]
             W[k + 1:i2] -= np.outer(U[k, k + 1:i2], errs[k - i1])
         W[i2:] -= U[i1:i2, i2:].T @ errs
-    if symmetric:
+    if form == "symmetric":
         return q.astype(np.int8) - np.int8(2 ** (bits - 1)), scales, np.zeros_like(zps)
     return q, scales, zps
+
+
+def _gptq_grid(group: np.ndarray, bits: int, form: str) -> tuple[np.ndarray, np.ndarray]:
+    """(scales [N], zero points [N]) of one block [1, block, N] in quantize_gptq's `form`."""
+    if form == "asymmetric":
+        scale, zp = _asymmetric_grid(group, bits)
+        return scale[0, 0], zp[0, 0]
+    zero = np.full(group.shape[2], 2 ** (bits - 1), np.float32)
+    if form == "symmetric":
+        return _symmetric_scales(group, bits)[0, 0], zero
+    if form == "q4_0" and bits == 4:  # ggml's quantize_row_q4_0_ref: d = max / -8, stored in float16
+        extreme = np.take_along_axis(group[0], np.abs(group[0]).argmax(axis=0)[None], axis=0)[0]
+        d = (extreme / -8).astype(np.float16).astype(np.float32)
+        return np.where(d != 0, d, 1.0).astype(np.float32), zero  # an all-zero block: any scale keeps it 0
+    raise ValueError(f"no GPTQ grid {form!r} at {bits} bits")
 
 
 def pack_nbits(q: np.ndarray, zp: np.ndarray, bits: int, block: int) -> tuple[np.ndarray, np.ndarray]:

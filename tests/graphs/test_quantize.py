@@ -156,7 +156,7 @@ def test_gptq_keeps_a_layers_output_where_rounding_keeps_its_weights():
     for a, b in zip(quantize_gptq(w, np.eye(k), 4, block), rounded):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)
-    q, s, z = quantize_gptq(w, np.eye(k), 4, 32, symmetric=True)  # the engines' form: TensorRT's symmetric blocks
+    q, s, z = quantize_gptq(w, np.eye(k), 4, 32, form="symmetric")  # the engines' form: TensorRT's symmetric blocks
     for a, b in zip((q, s), quantize_symmetric(w, 4, 32)):
         np.testing.assert_array_equal(a, b)
     assert q.dtype == np.int8 and not z.any()
