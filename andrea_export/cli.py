@@ -353,7 +353,7 @@ def inspect(path, as_json):
               help="The GGUF's tensor type: float (f32 gives this build's tokens in llama.cpp), or one of ggml's block "
                    "formats, quantized from the float32 weights (vectors stay f32; at 4 and 5 bits the token "
                    "embedding, which is also the output, is q8_0; q4_0's linear layers are solved by GPTQ, as "
-                   "an int4 build's are, which takes about a minute more for ANDREA-120M).")
+                   "an int4 build's are: about a minute for ANDREA-120M on 2 cores).")
 @click.option("--name", default=None, help="Model name (= folder name). Default: <model>-<precision>-trt|onnx.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
               help="tensorrt: serve the engine; onnxruntime: serve the standard ONNX; auto: the engine when it is a "

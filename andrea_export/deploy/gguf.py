@@ -82,7 +82,12 @@ def write_gguf_of_graph(graph: Path, cfg, out: Path, gguf_type: str, vocab: dict
 
     gguf = require("gguf", "gguf", "Writing a GGUF file")
     tensors = gpt2_tensors(_load(graph), cfg)
-    moments = _moments(graph) if gguf_type in GPTQ_TYPES else {}
+    if gguf_type in GPTQ_TYPES:
+        from ..graphs.quantize import weight_moments
+
+        moments = weight_moments(graph)
+    else:
+        moments = {}
     with atomic_path(out) as tmp:
         writer = gguf.GGUFWriter(tmp, ARCH)
         _add_metadata(writer, gguf, cfg, gguf_type, vocab)
@@ -241,22 +246,16 @@ def _add_metadata(writer, gguf, cfg, gguf_type: str, vocab: dict | None) -> None
         writer.add_chat_template(vocab["chat_template"])
 
 
-def _moments(graph: Path) -> dict[str, np.ndarray]:
-    from ..graphs.quantize import weight_moments
-
-    return weight_moments(graph)
-
-
 def _add_tensor(writer, gguf, name: str, array: np.ndarray, gguf_type: str, moments: dict | None = None) -> None:
     """One tensor in the type `gguf_type` asks for: vectors f32; the token embedding q8_0 at 4 and 5 bits; a
     linear layer's weight whose input moment `moments` holds (weight_moments), in q4_0, solved by GPTQ."""
     kind = "q8_0" if name == "token_embd.weight" and gguf_type in LOW_BITS else gguf_type
     qtype = getattr(gguf.GGMLQuantizationType, GGUF_TYPES[kind][0])
     if kind in GPTQ_TYPES and array.ndim == 2 and array.shape[1] % GGML_BLOCK == 0:
-        from ..graphs.quantize import _digest
+        from ..graphs.quantize import weight_digest
 
         w = np.ascontiguousarray(array.T, dtype=np.float32)  # ggml's [out, in] as the graph's [K, N]
-        if (moment := (moments or {}).get(_digest(w, 0, 0))) is not None:
+        if (moment := (moments or {}).get(weight_digest(w))) is not None:
             writer.add_tensor(name, q4_0_blocks(w, moment), raw_dtype=qtype)
             return
     if array.ndim == 1 or kind == "f32":
