@@ -591,6 +591,10 @@ def _try_line(endpoints: dict[str, str], api_key: str | None) -> str | None:
               help="Completions the front has in flight at once, decoding or waiting for a slot (503 beyond).")
 @click.option("--read-timeout", type=click.FloatRange(min=0, min_open=True), default=30.0, show_default=True,
               help="Seconds a client has to send its whole request body (408 after).")
+@click.option("--open-metrics", is_flag=True,
+              help="The front's /metrics answers without the API key, for a Prometheus scraper that sends none (as "
+                   "vLLM's does; it tells counts and latencies, never a prompt). [default: it asks the key, when one "
+                   "is set: give Prometheus the key as its bearer token]")
 @click.option("--access-log/--no-access-log", default=True, show_default=True,
               help="One line a request on stderr: client, method, path, status, seconds (never the prompt).")
 @click.option("--max-batch", "slots", type=click.IntRange(1, 256), default=None,
@@ -615,20 +619,26 @@ def _try_line(endpoints: dict[str, str], api_key: str | None) -> str | None:
 @_user_errors
 def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, openai_port, no_openai, api_key,
           chat_template, served_model_name, allowed_origins, max_body_bytes, max_connections, max_requests,
-          read_timeout, access_log, slots, engine, prefill_chunk, step_tokens, env):
+          read_timeout, open_metrics, access_log, slots, engine, prefill_chunk, step_tokens, env):
     """Serve a build with a real Triton Inference Server: its generate model batches requests in flight and
-    streams tokens (HTTP /generate and /generate_stream, gRPC, Prometheus metrics), with an OpenAI-compatible
-    front. Ctrl-C or SIGTERM stops accepting, finishes the requests in flight, and exits 0.
+    streams tokens, behind an OpenAI-compatible front (/v1/completions, /v1/chat/completions, /metrics, and
+    /health: 200 while the model is READY in Triton). Ctrl-C or SIGTERM stops accepting, finishes the requests in
+    flight, and exits 0.
 
     The front (--host, --openai-port) is what clients reach; Triton's own ports stay on 127.0.0.1 unless
-    --triton-host says otherwise.
+    --triton-host says otherwise, and its HTTP port opens only with --port.
+
+    Supervised: if tritonserver, its model's Python-backend stub or the front dies, /health fails at once, the
+    streams in flight end with an error event, one line says what died, and serve exits 1 within seconds, for
+    systemd or Kubernetes to restart it.
 
     On a GPU host, a build with the in-flight batching engine (build --max-slots N) is served from it: the
     batcher steps the slot cache on the GPU, decode steps replayed as CUDA graphs (--engine).
 
     \b
       andrea-export serve out/demo
-      curl -s localhost:8000/v2/models/andrea-tiny-fp32-generate/generate -d '{"text_input": "Create a new", "max_tokens": 16}'
+      curl -s localhost:9000/v1/completions -d '{"prompt": "Create a new", "max_tokens": 16}'
+      curl -s localhost:9000/health
     """
     import json
     import signal
@@ -646,7 +656,8 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
         Limits(max_body_bytes=max_body_bytes, max_connections=max_connections, read_timeout_s=read_timeout,
                max_requests=max_requests),
         tuple(allowed_origins), access_log,
-        userfiles.read_text(chat_template, 1 << 20, "a chat template", ConfigError) if chat_template else None)
+        userfiles.read_text(chat_template, 1 << 20, "a chat template", ConfigError) if chat_template else None,
+        metrics_open=open_metrics)
     if not no_openai and not _loopback(host):
         warn(f"the OpenAI front listens on {host}, beyond this machine"
              + ("" if api_key else ": anyone who reaches it is served (no key; set --api-key)"))
@@ -669,15 +680,25 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
     stopped = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stopped.set())
-    while not stopped.wait(0.5):
-        if server.process.poll() is not None:
-            tail = server.log_tail()
-            server.stop()  # the front, the workspace
-            raise AndreaExportError(f"tritonserver exited with code {server.process.returncode}; its log ends:\n{tail}")
+    while not stopped.wait(0.2):
+        if (died := server.wait(0)) is not None:  # what is left of it is gone already
+            tail = _log_lines(server.log_tail(200))
+            server.stop()  # the front (its streams ended with an error event), the workspace
+            raise AndreaExportError(f"{died}: serve stops" + (f" (the server's log ended: {tail})" if tail else ""))
     console.print("Stopping: finishing the requests in flight", markup=False)
     code = server.stop()
     if code != 0:  # e.g. idle keep-alive clients held it open past its exit timeout: the requests had ended
         warn(f"tritonserver exited with code {code}; its log ended:\n" + "\n".join(server.log_tail().splitlines()[-4:]))
+
+
+def _log_lines(log: str, n: int = 1) -> str:
+    """The last `n` lines of Triton's log that say something (not its start-up tables, nor a backtrace's frames),
+    joined on one line."""
+    import re
+
+    said = [line.strip() for line in log.splitlines()
+            if line.strip() and not line.startswith(("+", "|")) and not re.match(r"\s*\d+# ", line)]
+    return " / ".join(said[-n:])
 
 
 def _loopback(host: str) -> bool:

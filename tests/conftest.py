@@ -99,6 +99,46 @@ def _deterministic_torch():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _no_server_outlives_the_suite():
+    """Fails the run if a tritonserver or Python-backend stub that this run started is alive at its end (a stub
+    orphaned by a killed tritonserver once held its model's memory for good). This run's processes carry a mark
+    in their environment, which every child inherits (serve, tritonserver, the stubs), so a server a person
+    runs beside the suite is never taken for a leak. First set up, last torn down: after every server fixture."""
+    import os
+    import time
+    import uuid
+
+    from servers import MARK, kill, marked  # tests/ is on the path, as for trt_enums
+
+    os.environ[MARK] = uuid.uuid4().hex
+    yield
+    deadline = time.monotonic() + 10  # a server stopped by the last test may still be exiting
+    while (left := marked(os.environ[MARK])) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if left:
+        kill(left)
+        pytest.fail("processes started by the tests outlived them (killed now): "
+                    + "; ".join(f"pid {pid} {name} (parent {ppid})" for pid, name, ppid in left), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def long_build(tmp_path_factory):
+    """A random tiny model with a context of 2048 tokens, for the servers' tests: its long generations (about a
+    second) outlast a client that leaves, a shutdown or a crash (the demo's 128-token context decodes in a blink)."""
+    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
+    import json
+
+    from andrea_export.pipeline import BuildOptions, run_build
+
+    d = tmp_path_factory.mktemp("long")
+    (d / "long.json").write_text(json.dumps({"name": "andrea-long", "vocab_size": 8449, "n_positions": 2048,
+                                             "n_embd": 64, "n_layer": 2, "n_head": 4}))
+    run_build(BuildOptions(config=str(d / "long.json"), builder="tensorrt-rtx", out=str(d / "build"), greedy_steps=2,
+                           verify_shapes=[[1, 3]]))
+    return d / "build"
+
+
 @pytest.fixture(scope="session")
 def tiny_build(tmp_path_factory):
     """A finished tiny build folder (TensorRT-RTX engines, decoder included) and its manifest. Tests that
@@ -179,6 +219,7 @@ def stand_ins(monkeypatch):
 # (`pytest --durations`): seconds to a minute here.
 HEAVY_FIXTURES = {  # (the file that defines it, its name): fixtures that build a folder or export a peer's model
     ("tests/conftest.py", "lively_build"),  # a checkpoint build with its decoder engine
+    ("tests/conftest.py", "long_build"),  # the servers' tests' model with a long context
     ("tests/bench/test_bench.py", "run"),  # a whole benchmark run
     ("tests/test_pipeline.py", "demo_fp16_build"),
     ("tests/engine/test_onnx_rules.py", "tensorrt_graphs"),  # every graph of a precision, the plugin pass included
@@ -190,8 +231,8 @@ HEAVY_FIXTURES = {  # (the file that defines it, its name): fixtures that build 
     ("tests/bench/test_bench.py", "fp16_decoder"),  # a decoder export and its fp16 conversion
 }
 HEAVY_FILES = {  # real Triton servers, and the peer runtimes' own exports (OpenVINO, CTranslate2, Optimum)
-    "tests/deploy/test_serve.py", "tests/bench/test_bench_serve.py", "tests/bench/test_bench_cpu_peers.py",
-    "tests/bench/test_bench_peers.py", "tests/deploy/test_optimum.py",
+    "tests/deploy/test_serve.py", "tests/deploy/test_supervision.py", "tests/bench/test_bench_serve.py",
+    "tests/bench/test_bench_cpu_peers.py", "tests/bench/test_bench_peers.py", "tests/deploy/test_optimum.py",
 }
 HEAVY_TESTS = {  # node ids without their parameters
     "tests/model/test_text.py::test_train_demo_trains_a_model_far_below_the_unigram_baseline",

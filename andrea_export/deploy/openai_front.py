@@ -32,7 +32,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from .. import userfiles
@@ -46,6 +46,7 @@ SAMPLING_UNSUPPORTED = ("logprobs", "logit_bias", "presence_penalty", "frequency
 UNSUPPORTED = ("echo", "best_of", "suffix", *SAMPLING_UNSUPPORTED)
 CHAT_UNSUPPORTED = ("top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
                     "parallel_tool_calls", *SAMPLING_UNSUPPORTED)
+HEALTH_TIMEOUT_S = 2.0  # for Triton's answer to /health's readiness question
 ACCESS_LOG = "andrea_export.front.access"  # one line a request: client, method, path, status (never a prompt)
 
 
@@ -96,6 +97,11 @@ class FrontError(Exception):
 
 def _error(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
+
+
+def _kind(status: int) -> str:
+    """OpenAI's error type for an HTTP status: the server's fault (5xx), a key, or the request."""
+    return "server_error" if status >= 500 else "authentication_error" if status == 401 else "invalid_request_error"
 
 
 # -- the request -------------------------------------------------------------------------------------------
@@ -314,13 +320,16 @@ async def read_body(request, limits: Limits) -> dict:
 
 # -- the answer --------------------------------------------------------------------------------------------
 async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id: int | None = None,
-                 every_step: bool = False) -> AsyncGenerator[tuple[str, list[int], str | None], None]:
+                 every_step: bool = False, dead: Callable[[], str | None] = lambda: None,
+                 ) -> AsyncGenerator[tuple[str, list[int], str | None], None]:
     """(new text, its token ids, finish_reason or None) from the generate model's stream over Triton's gRPC
     (`client`: tritonclient's asyncio client); ends at a stop string, which cancels the upstream request (its slot
     is freed at the next step), as does a client that leaves (this generator closed). The generate model ends a
     request at max_tokens ("length") or at the end-of-text token `eos_id`, which comes as its last token
     ("stop"). A token whose bytes end no character waits for the next piece of text, unless `every_step`
-    (return_token_ids: the ids of each step come as they are made, with the text that is ready, maybe none)."""
+    (return_token_ids: the ids of each step come as they are made, with the text that is ready, maybe none).
+    `dead()`: what of the server died, if anything: an upstream error is then said as that (503), not as a
+    Triton that did not answer (502)."""
     from grpc.aio import AioRpcError
     from tritonclient.utils import InferenceServerException
 
@@ -334,6 +343,8 @@ async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id
     try:
         async for result, error in stream:
             if error is not None:
+                if (why := dead()) is not None:
+                    raise FrontError(f"the server cannot serve: {why}", 503)
                 message = error.message()
                 raise FrontError(message, 502 if message.startswith(REQUEST_FAILED) else 400)
             out = result.as_numpy("output_ids")
@@ -350,6 +361,8 @@ async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id
                 yield text[sent:safe], pending, None
                 sent, pending = safe, []
     except (AioRpcError, InferenceServerException) as e:
+        if (why := dead()) is not None:
+            raise FrontError(f"the server cannot serve: {why}", 503) from None
         raise FrontError(f"the Triton server did not answer: {_rpc_message(e)}", 502) from None
     finally:
         stream.cancel()  # ended already, or left early: then Triton cancels the request
@@ -501,13 +514,16 @@ async def _metered(tokens, m: Metrics, t0: float, prompt_tokens: int, state: dic
 
 # -- the app -----------------------------------------------------------------------------------------------
 def make_app(model: Model, upstream: Upstream, *, api_key: str | None = None, limits: Limits = Limits(),
-             allowed_origins: tuple[str, ...] = (), access_log: bool = False):
-    """The FastAPI app of one front, streaming from the generate model at `upstream`."""
+             allowed_origins: tuple[str, ...] = (), access_log: bool = False, metrics_open: bool = False):
+    """The FastAPI app of one front, streaming from the generate model at `upstream`. `metrics_open`: /metrics
+    answers without the API key (for a Prometheus scraper that sends none; it tells counts and latencies, never
+    a prompt)."""
     from fastapi import Depends, FastAPI, Request
     from tritonclient.grpc.aio import InferenceServerClient
 
     metrics = Metrics()
-    state: dict = {"in_flight": 0, "metrics": metrics}  # and the upstream client, while the app runs
+    # and the upstream client, while the app runs; "dead": what of the server died (Front.fail), once it has
+    state: dict = {"in_flight": 0, "metrics": metrics, "dead": None}
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -518,7 +534,7 @@ def make_app(model: Model, upstream: Upstream, *, api_key: str | None = None, li
             await state["client"].close()
 
     app = FastAPI(title="andrea-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.metrics = metrics
+    app.state.metrics, app.state.front = metrics, state
     if access_log:
         app.add_middleware(_AccessLog)
     if allowed_origins:
@@ -533,9 +549,23 @@ def make_app(model: Model, upstream: Upstream, *, api_key: str | None = None, li
     @app.get("/health")
     @app.get("/v1/health")
     async def health():
-        return {"status": "ok"}
+        """Ready to serve: nothing of the server has died, and Triton says the model is READY (asked over gRPC
+        each time); 503 with the reason otherwise. What a load balancer's or Kubernetes' probe asks."""
+        from fastapi.responses import JSONResponse
+        from tritonclient.utils import InferenceServerException
 
-    @app.get("/metrics", dependencies=[Depends(authorized)])
+        why = state["dead"]
+        if why is None:
+            try:
+                if not await state["client"].is_model_ready(upstream.model, client_timeout=HEALTH_TIMEOUT_S):
+                    why = f"Triton does not have {upstream.model} READY"
+            except InferenceServerException as e:
+                why = f"Triton did not answer: {str(e)[:200]}"
+        if why is None:
+            return {"status": "ok"}
+        return JSONResponse({"status": "unavailable", "reason": why}, 503)
+
+    @app.get("/metrics", dependencies=[] if metrics_open else [Depends(authorized)])
     async def prometheus():
         from fastapi.responses import Response
         from prometheus_client import CONTENT_TYPE_LATEST
@@ -575,6 +605,8 @@ async def _answer(request, c: Completion, model: Model, upstream: Upstream, limi
 
     metrics = state["metrics"]
     t0 = time.monotonic()
+    if state["dead"] is not None:
+        raise FrontError(f"the server cannot serve: {state['dead']}", 503)
     if state["in_flight"] >= limits.max_requests:  # before the prompt is rendered or tokenized
         raise FrontError(f"the server is busy: {limits.max_requests} completions in flight; retry later", 503)
     state["in_flight"] += 1  # taken before the first await, so that requests arriving meanwhile count it
@@ -584,7 +616,7 @@ async def _answer(request, c: Completion, model: Model, upstream: Upstream, limi
         state["in_flight"] -= 1  # _metered, which gives it back otherwise, never started
         raise
     tokens = _metered(pieces(state["client"], upstream.model, {"input_ids": ids, **c.feed}, c.stops, model.eos_id,
-                             every_step=c.token_ids), metrics, t0, len(ids), state)
+                             every_step=c.token_ids, dead=lambda: state["dead"]), metrics, t0, len(ids), state)
     try:
         first = await anext(tokens)  # an upstream error comes before any token: answer it as an error
     except BaseException:
@@ -606,9 +638,8 @@ def _answer_errors_as_openai_does(app) -> None:
     async def front_error(request, e: FrontError):
         if e.status != 499:  # a client that left is counted as cancelled
             request.app.state.metrics.errors.labels(str(e.status)).inc()
-        kind = "authentication_error" if e.status == 401 else "invalid_request_error"
         headers = {"Retry-After": "1"} if e.status == 503 else None
-        return JSONResponse(_error(str(e), kind, e.code), e.status, headers=headers)
+        return JSONResponse(_error(str(e), _kind(e.status), e.code), e.status, headers=headers)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -668,7 +699,7 @@ async def _events(shape: _Shape, first: tuple, answer, prompt_tokens: int, c: Co
             yield _event(shape.usage(_usage(prompt_tokens, count)))
     except FrontError as e:
         metrics.errors.labels(str(e.status)).inc()
-        yield _event(_error(str(e)))
+        yield _event(_error(str(e), _kind(e.status), e.code))
     finally:
         await answer.aclose()
     yield b"data: [DONE]\n\n"
@@ -682,6 +713,7 @@ class Front:
     def __init__(self, app, host: str, port: int, limits: Limits, drain_timeout_s: float = 30):
         import uvicorn
 
+        self.app = app
         self.socket = socket.create_server((host, port), backlog=limits.backlog,
                                            family=socket.AF_INET6 if ":" in host else socket.AF_INET)
         self.port = self.socket.getsockname()[1]
@@ -703,6 +735,11 @@ class Front:
         if not self.server.started:
             self.stop(1)
             raise OSError(f"the front did not start on {host}:{port}")
+
+    def fail(self, why: str) -> None:
+        """What of the server died: /health answers 503 with it from now on, as does each new completion, and an
+        upstream error of a completion in flight is said as it (the streams end with an error event)."""
+        self.app.state.front["dead"] = why
 
     def stop(self, timeout: float = 60) -> None:
         """Stop accepting; let the answers in flight finish (each stream to its end or its error event)."""
@@ -761,9 +798,9 @@ class _AccessLog:
 
 def start_front(model: Model, upstream: Upstream, host: str, port: int, *, api_key: str | None = None,
                 limits: Limits = Limits(), allowed_origins: tuple[str, ...] = (), access_log: bool = False,
-                drain_timeout_s: float = 30) -> Front:
+                drain_timeout_s: float = 30, metrics_open: bool = False) -> Front:
     """Serve the front on host:port (0: a free one) in a thread; OSError if it cannot listen there."""
     app = make_app(model, upstream, api_key=api_key, limits=limits, allowed_origins=allowed_origins,
-                   access_log=access_log)
+                   access_log=access_log, metrics_open=metrics_open)
     return Front(app, host, port, limits, drain_timeout_s)
 

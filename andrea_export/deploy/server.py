@@ -36,6 +36,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -82,6 +83,7 @@ class FrontOptions:
     allowed_origins: tuple[str, ...] = ()  # CORS, for browsers on those origins
     access_log: bool = False  # one line a request (no prompt text) on openai_front.ACCESS_LOG
     chat_template: str | None = None  # Hugging Face's Jinja format; None: the build tokenizer's, if it has one
+    metrics_open: bool = False  # /metrics without the API key (a Prometheus scraper that sends none)
 
 
 def serve_python(env: str | Path | None = None) -> Path:
@@ -222,8 +224,16 @@ def _check_free(host: str, port: int, what: str) -> int:
     return port
 
 
+STUB = "triton_python_backend_stub"  # the process the Python backend runs each model instance in
+WATCH_EVERY_S = 0.2  # how often the watcher looks at tritonserver, the model's stubs and the front
+
+
 class Server:
-    """A running tritonserver (and its OpenAI front, when started with one)."""
+    """A running tritonserver (and its OpenAI front, when started with one), watched as one unit: when
+    tritonserver, a Python-backend stub of its model or the front dies, `died` is set and `death` says what died
+    and with what code; the front's /health fails from then on, new requests get 503, and the rest of Triton's
+    process group is killed at once, so that the streams in flight end with an error event instead of hanging.
+    `wait()` blocks until then, which is what `serve` does before it exits non-zero."""
 
     def __init__(self, process, workspace: Path, model: str, host: str, ports: dict, log: Path, admin_key: str):
         self.process, self.workspace, self.model, self.host, self.ports, self.log = process, workspace, model, host, ports, log
@@ -232,6 +242,11 @@ class Server:
         self.front_host = host
         self.served_model = model  # the name the front serves it as (--served-model-name)
         self.engine: tuple[str, str] | None = None  # (what the generate model steps, why), when start() chose it
+        self.died = threading.Event()
+        self.death: str | None = None  # what died, and with what code
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._stopped_code: int | None = None
 
     def admin_headers(self, kind: str = "http") -> dict[str, str]:
         """The header that opens Triton's restricted APIs to a request (gRPC prefixes its name, as Triton asks)."""
@@ -254,6 +269,7 @@ class Server:
         if self.front is not None:
             host = f"[{self.front_host}]" if ":" in self.front_host else self.front_host
             out["openai"] = f"http://{host}:{self.ports['openai']}/v1"
+            out["health"] = f"http://{host}:{self.ports['openai']}/health"  # ready to serve: a probe's route
         return out
 
     def log_tail(self, lines: int = 30) -> str:
@@ -264,21 +280,57 @@ class Server:
         except OSError:
             return ""
 
+    def wait(self, timeout: float | None = None) -> str | None:
+        """Until the server dies (then what died, as `death` says) or `timeout` seconds pass (then None)."""
+        self.died.wait(timeout)
+        return self.death
+
+    def watch(self) -> None:
+        """Start watching tritonserver and its model's stubs (those alive now: call it once the model is READY),
+        and the front once it is set."""
+        stubs = [pid for pid, name in group_members(self.process.pid) if name == STUB]
+        self._watcher = threading.Thread(target=self._watch, args=(stubs,), name="andrea-serve-watcher", daemon=True)
+        self._watcher.start()
+
+    def _watch(self, stubs: list[int]) -> None:
+        while not self._stopping.wait(WATCH_EVERY_S):
+            if (why := self._what_died(stubs)) is not None and not self._stopping.is_set():
+                self._die(why)
+                return
+
+    def _what_died(self, stubs: list[int]) -> str | None:
+        if (code := self.process.poll()) is not None:
+            return f"tritonserver exited with {_exit_words(code)}"
+        for pid in stubs:
+            if (status := _ended(pid)) is not False:
+                how = "" if status is None else f" with {_exit_words(_wait_code(status))}"
+                return f"the Python backend stub of {self.model} (pid {pid}) exited{how}"
+        if self.front is not None and not self.front.thread.is_alive():
+            return "the OpenAI front's server thread ended"
+        return None
+
+    def _die(self, why: str) -> None:
+        """Fail /health and new requests first, then end Triton's whole group (what is left of it cannot serve):
+        the streams in flight then fail at once and end with an error event."""
+        self.death = why
+        if self.front is not None:
+            self.front.fail(why)
+        end_group(self.process, grace=0)
+        self.died.set()
+
     def stop(self, timeout: float = 60) -> int:
         """Stop accepting, let the requests in flight finish (Triton's own shutdown on SIGTERM, up to its
-        exit timeout), then remove the workspace. Returns tritonserver's exit code."""
+        exit timeout), end what is left of Triton's process group (a stub outlives a killed tritonserver
+        otherwise), then remove the workspace. Returns tritonserver's exit code. Safe to call again."""
+        self._stopping.set()
+        if self._stopped_code is not None:
+            return self._stopped_code
         if self.front is not None:  # first, while Triton still answers its streams
-            self.front.stop(timeout)
-        code = self.process.poll()
-        if code is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                code = self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                code = self.process.wait()
+            self.front.stop(timeout if self.death is None else min(timeout, 2))
+        code = end_group(self.process, grace=timeout)
         self.final_log = self.log_tail()  # the workspace (and the log in it) goes now
         shutil.rmtree(self.workspace, ignore_errors=True)
+        self._stopped_code = code
         return code
 
     def __enter__(self):
@@ -286,6 +338,67 @@ class Server:
 
     def __exit__(self, *exc):
         self.stop()
+
+
+def group_members(pgid: int) -> list[tuple[int, str]]:
+    """(pid, name) of the live processes of process group `pgid` (zombies, which hold nothing, left out), read
+    from /proc: what Triton started (its stubs) is in its group, as it runs in a session of its own."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            name = Path((entry / "cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")).name
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append((int(entry.name), name))
+    return members
+
+
+def end_group(process, grace: float) -> int:
+    """End `process` (a group leader: started in a session of its own) and its whole group: SIGTERM and up to
+    `grace` seconds for its own shutdown (0: none), then SIGKILL for the group, and wait until no process of it
+    is left (an orphaned stub that ignores SIGTERM included). Returns the leader's exit code."""
+    if process.poll() is None and grace > 0:
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(grace)
+    deadline = time.monotonic() + 10
+    while True:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+        code = process.poll()
+        if (code is not None and not group_members(process.pid)) or time.monotonic() > deadline:
+            return code if code is not None else process.wait()
+        time.sleep(0.05)
+
+
+def _ended(pid: int) -> bool | int | None:
+    """False while process `pid` lives; once it has ended, its wait status while it is a zombie (Linux 3.5+),
+    else None (reaped: its code is gone)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    if fields[0] != "Z":
+        return False
+    return int(fields[49]) if len(fields) > 49 else None  # field 52 of proc(5): exit_code
+
+
+def _wait_code(status: int) -> int:
+    """A wait status as Popen.returncode says it: the exit code, or minus the signal that ended it."""
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def _exit_words(code: int) -> str:
+    if code >= 0:
+        return f"code {code}"
+    try:
+        return f"code {code} ({signal.Signals(-code).name})"
+    except ValueError:
+        return f"code {code}"
 
 
 def start(build_dir: str | Path, *, host: str = "127.0.0.1", http_port: int | None = None, grpc_port: int = 8001,
@@ -359,7 +472,8 @@ def _start_front(server: Server, build_dir, opts: FrontOptions, drain_timeout: f
     try:
         server.front = start_front(model, upstream, opts.host, opts.port, api_key=opts.api_key,
                                    limits=opts.limits or Limits(), allowed_origins=opts.allowed_origins,
-                                   access_log=opts.access_log, drain_timeout_s=drain_timeout)
+                                   access_log=opts.access_log, drain_timeout_s=drain_timeout,
+                                   metrics_open=opts.metrics_open)
     except OSError as e:
         raise ServeError(f"the OpenAI front cannot listen on {opts.host}:{opts.port}: {e.strerror or e}") from None
     server.ports["openai"], server.front_host, server.served_model = server.front.port, opts.host, model.name
@@ -412,6 +526,7 @@ def start_repository(repo: str | Path, model: str, *, host: str = "127.0.0.1", h
         tail = server.log_tail()
         server.stop(timeout=10)
         raise ServeError(f"{e}; the server's log ends:\n{tail}") from None
+    server.watch()
     return server
 
 

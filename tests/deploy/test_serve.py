@@ -20,13 +20,11 @@ import pytest
 
 from andrea_export import runtime
 from andrea_export.deploy import server as serve_module
+from servers import alive, children, needs_serving_env  # tests/ is on the path
 
 
 def _serving_env():
-    try:
-        serve_module.triton_dist(serve_module.serve_python())
-    except serve_module.ServeError as e:
-        pytest.skip(f"no serving environment here ({e}); `make serve-env` makes it (CI does)")
+    needs_serving_env()
 
 
 @pytest.fixture(scope="module")
@@ -182,21 +180,6 @@ def test_non_utf8_text_is_refused_naming_the_field(server):
     finally:
         client.stop_stream()
         client.close()
-
-
-@pytest.fixture(scope="module")
-def long_build(tmp_path_factory):
-    """A random tiny model with a context of 2048 tokens: its long generations (about a second) outlast a client
-    that leaves, and a shutdown (the demo's 128-token context decodes in a blink)."""
-    pytest.importorskip("tensorrt_rtx", reason="TensorRT-RTX (the 'rtx' extra) builds the engines on a CPU")
-    from andrea_export.pipeline import BuildOptions, run_build
-
-    d = tmp_path_factory.mktemp("long")
-    (d / "long.json").write_text(json.dumps({"name": "andrea-long", "vocab_size": 8449, "n_positions": 2048,
-                                             "n_embd": 64, "n_layer": 2, "n_head": 4}))
-    run_build(BuildOptions(config=str(d / "long.json"), builder="tensorrt-rtx", out=str(d / "build"), greedy_steps=2,
-                           verify_shapes=[[1, 3]]))
-    return d / "build"
 
 
 def test_a_client_that_leaves_frees_its_slot(long_build):
@@ -898,8 +881,8 @@ def test_a_serve_killed_with_sigkill_leaves_no_server_behind(long_build):
     for line in proc.stdout:
         if line.startswith("Serving;"):
             break
-    children = [int(p) for p in os.listdir("/proc") if p.isdigit() and _parent(int(p)) == proc.pid]
-    assert children, "tritonserver was not started by serve"
+    children_ = children(proc.pid)
+    assert children_, "tritonserver was not started by serve"
     import tempfile
     from pathlib import Path
 
@@ -909,9 +892,9 @@ def test_a_serve_killed_with_sigkill_leaves_no_server_behind(long_build):
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     deadline = time.monotonic() + 60
-    while any(_alive(c) for c in children) and time.monotonic() < deadline:
+    while any(alive(c) for c in children_) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not any(_alive(c) for c in children)
+    assert not any(alive(c) for c in children_)
     assert ours[0].is_dir()  # nothing could remove it: the next server's start does
     fresh = serve_module.new_workspace()
     try:
@@ -946,22 +929,6 @@ def test_ctrl_c_during_start_up_leaves_nothing_and_says_so_in_one_line(long_buil
             assert "interrupted" in out.strip().splitlines()[-1], out
         left = set(glob.glob(f"{tempfile.gettempdir()}/{serve_module.WORKSPACE_PREFIX}*")) - before
         assert not left, (delay, left, out[-500:])
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def test_a_step_budget_is_written_to_the_generate_model_and_checked(demo_build, tmp_path):
