@@ -422,6 +422,7 @@ def build(self, network, config):  # Ctrl-C lands while TensorRT-RTX is building
     return real(self, network, config)
 
 trt.Builder.build_serialized_network = build
+signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited: a runner may have started us ignoring it
 main(["build", "--config", "andrea-tiny", "--builder", "tensorrt-rtx", "--no-decoder", "--out", sys.argv[1]])
 """
 

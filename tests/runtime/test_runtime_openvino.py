@@ -207,6 +207,7 @@ second = runtime.load(sys.argv[1], backend="openvino", intra_op_threads=1)
 first.generate([1, 2, 3], 2), second.generate([1, 2, 3], 2)
 first.close(); del first; gc.collect()  # the first made, the first gone: not the reverse of their making
 second.close(); del second; gc.collect()
+signal.signal(signal.SIGINT, signal.default_int_handler)  # not inherited: a runner may have started us ignoring it
 try:
     signal.raise_signal(signal.SIGINT)  # Ctrl-C, as a user presses it
 except KeyboardInterrupt:
