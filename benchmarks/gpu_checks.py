@@ -308,13 +308,12 @@ class Plan:
 
 def torch_eager(plan: Plan) -> Callable[[Checks], Any]:
     def run(c: Checks) -> Any:
+        torch = _torch_gpu()  # first: the model's module imports torch, which a host may not have
         from andrea_export.model.andrea import Andrea
 
         # torch's own initialisation: the time does not depend on the weights, and checkpoint.random_init would
         # import the build's tools (rich), which a bare GPU host has not got
-        model = Andrea(plan.cfg)  # what a CPU can do; the GPU part starts here
-        torch = _torch_gpu()
-        model = model.half().cuda().eval()
+        model = Andrea(plan.cfg).half().cuda().eval()
         ids = torch.randint(0, plan.cfg.vocab_size, (plan.batch, plan.seq), device="cuda")
         times = []
         with torch.inference_mode():

@@ -496,3 +496,20 @@ def test_the_slot_mixed_steps_section_passes_the_stand_in_engine_and_fails_one_w
     monkeypatch.setattr(trt_slots.TrtSlotCache, "run", off)
     got, rows = section()
     assert got == [("chunk among the rows", "FAIL"), ("every other run", "ok")], rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run benchmarks/gpu_checks.py itself")
+def test_gpu_checks_with_numpy_alone_skips_what_needs_pytorch(tmp_path):
+    """A host with numpy but no PyTorch (nor onnx): each section that needs PyTorch is a SKIP row saying so, none a
+    FAIL with a traceback ("PyTorch eager" imported the model, and with it torch, before it asked for PyTorch)."""
+    blocked = [*_bare_host_modules(), "torch", "onnx", "onnxruntime"]
+    jsonl = tmp_path / "rows.jsonl"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    args = [str(ROOT / "benchmarks" / "gpu_checks.py"), "--tiny", "--jsonl", str(jsonl),
+            "--only", "PTX load,PyTorch eager"]
+    proc = subprocess.run([sys.executable, "-c", BARE_HOST, ",".join(blocked), *args], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0 and "Traceback" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr[-3000:]
+    rows = {r["section"]: r for r in map(json.loads, jsonl.read_text().splitlines())}
+    for section in ("PTX load", "PyTorch eager"):
+        assert rows[section]["status"] == "SKIP" and rows[section]["detail"].startswith("needs PyTorch"), rows[section]
