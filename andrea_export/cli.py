@@ -348,12 +348,12 @@ def inspect(path, as_json):
               help="Also (or only) write a GGUF file of the build that llama.cpp loads as it is (llama-cli, "
                    "llama-server, Ollama, LM Studio): architecture gpt2, the build's tokenizer, its float32 weights "
                    "in --gguf-type. Needs the 'gguf' extra.")
-@click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)),
-              default="f16", show_default=True,
+@click.option("--gguf-type", type=click.Choice(list(GGUF_TYPES)), default=None,
               help="The GGUF's tensor type: float (f32 gives this build's tokens in llama.cpp), or one of ggml's block "
                    "formats, quantized from the float32 weights (vectors stay f32; at 4 and 5 bits the token "
                    "embedding, which is also the output, is q8_0; q4_0's linear layers are solved by GPTQ, as "
-                   "an int4 build's are: about a minute for ANDREA-120M on 2 cores).")
+                   "an int4 build's are: about a minute for ANDREA-120M on 2 cores). [default: the build's "
+                   "precision's: q4_0 for int4, q8_0 for int8, bf16 for bf16, else f16]")
 @click.option("--name", default=None, help="Model name (= folder name). Default: <model>-<precision>-trt|onnx.")
 @click.option("--backend", type=click.Choice(["auto", "tensorrt", "onnxruntime"]), default="auto", show_default=True,
               help="tensorrt: serve the engine; onnxruntime: serve the standard ONNX; auto: the engine when it is a "
@@ -401,7 +401,7 @@ def package(build_dir, repo, gguf_out, gguf_type, name, backend, max_batch_size,
         from .deploy.gguf import write_gguf
         from .progress import step
 
-        with step(f"Writing {gguf_out} ({gguf_type}, for llama.cpp)"):
+        with step(f"Writing {gguf_out} for llama.cpp ({gguf_type or 'the type of the build precision'})"):
             click.echo(write_gguf(build_dir, gguf_out, gguf_type, overwrite=overwrite, allow_failed=allow_failed))
     if repo is not None:
         _package_triton(build_dir, repo, name, backend, max_batch_size, max_queue_delay_us, dynamic_batching, instances,

@@ -38,13 +38,16 @@ GGUF_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": (
 LOW_BITS = ("q5_1", "q5_0", "q4_1", "q4_0")  # whose token embedding (the tied head) is written q8_0
 GGML_BLOCK = 32  # the row block of every quantized type here
 GPTQ_TYPES = ("q4_0",)  # whose linear layers' integers GPTQ chooses (q4_0_blocks), not rounding
+# The type a build's GGUF gets unless told: its own precision's (an int4 build's user expects int4's bytes, not
+# f16's four times as many); float32 builds f16, llama.cpp's usual float.
+TYPE_OF_PRECISION = {"fp32": "f16", "fp16": "f16", "bf16": "bf16", "int8": "q8_0", "int4": "q4_0"}
 
 
-def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str = "f16", *, overwrite: bool = False,
+def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str | None = None, *, overwrite: bool = False,
                allow_failed: bool = False) -> Path:
     """Write `out`, a GGUF llama.cpp loads, from the build folder `build_dir` (under its shared lock, every
-    file it reads checked against the manifest). `gguf_type`: one of GGUF_TYPES. Written atomically: an
-    interrupted write leaves no file, or the old one. Returns `out`."""
+    file it reads checked against the manifest). `gguf_type`: one of GGUF_TYPES; None: the build's precision's
+    (TYPE_OF_PRECISION). Written atomically: an interrupted write leaves no file, or the old one. Returns `out`."""
     from ..catalog import Role
     from ..folder.atomic import locked_folder
     from ..graphs.external_data import graph_weights
@@ -53,7 +56,7 @@ def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str = "f16", *
     from .triton.common import artifact_file, check_status, read_manifest
 
     require("gguf", "gguf", "Writing a GGUF file")
-    if gguf_type not in GGUF_TYPES:
+    if gguf_type is not None and gguf_type not in GGUF_TYPES:
         raise PackageError(f"GGUF type must be one of {', '.join(GGUF_TYPES)}, got {gguf_type!r}")
     build_dir, out = Path(build_dir), Path(out)
     _check_out(build_dir, out, overwrite)
@@ -72,7 +75,8 @@ def write_gguf(build_dir: str | Path, out: str | Path, gguf_type: str = "f16", *
             raise PackageError(str(e)) from None
         if meta.get(PRECISION_KEY, "fp32") != "fp32":
             raise PackageError(f"{graph}: a {meta[PRECISION_KEY]} graph where the build's float32 one should be")
-        return write_gguf_of_graph(graph, cfg, out, gguf_type, gpt2_vocab(build_dir, cfg.vocab_size))
+        return write_gguf_of_graph(graph, cfg, out, gguf_type or TYPE_OF_PRECISION[manifest["precision"]],
+                                   gpt2_vocab(build_dir, cfg.vocab_size))
 
 
 def write_gguf_of_graph(graph: Path, cfg, out: Path, gguf_type: str, vocab: dict | None = None) -> Path:

@@ -362,6 +362,21 @@ def test_generate_runs_on_the_int4_decoder(quantized_build, lively_prompt):
     assert len(set(tokens)) > 3  # it really decodes text, not one repeated token
 
 
+
+def test_a_gguf_of_a_weight_only_build_is_at_its_precision_unless_told(quantized_build, tmp_path):
+    """`package --gguf` on an int4 build wrote f16 (four times the bytes an int4 user expects): q4_0 now (GPTQ-
+    solved, as the build's int4 is), q8_0 for int8; --gguf-type still chooses."""
+    gguf = pytest.importorskip("gguf", reason="the 'gguf' extra (ggml's gguf package) writes and reads the file")
+    precision, out, _ = quantized_build
+    result = CliRunner().invoke(main, ["package", str(out), "--gguf", str(tmp_path / "m.gguf")])
+    assert result.exit_code == 0, result.output
+    want = {"int4": gguf.GGMLQuantizationType.Q4_0, "int8": gguf.GGMLQuantizationType.Q8_0}[precision]
+    types = {t.name: t.tensor_type for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    assert types["blk.0.ffn_up.weight"] == want and types["token_embd.weight"] == gguf.GGMLQuantizationType.Q8_0
+    result = CliRunner().invoke(main, ["package", str(out), "--gguf", str(tmp_path / "f.gguf"), "--gguf-type", "f32"])
+    assert result.exit_code == 0, result.output
+    assert {t.tensor_type for t in gguf.GGUFReader(tmp_path / "f.gguf").tensors} == {gguf.GGMLQuantizationType.F32}
+
 @pytest.mark.parametrize("precision", WEIGHT_ONLY)
 def test_turing_is_refused_for_weight_only(precision):
     """The int8/int4 engines multiply float32 activations, which TensorRT-RTX cannot do for Turing."""
