@@ -233,28 +233,67 @@ def _renderer(template: str):
     return chat_renderer(template)
 
 
+RANGE_BUDGET = 100_000  # the items all of a render's range() calls may give together (Jinja bounds each at 100,000)
+
+
 def chat_renderer(template: str):
-    """`render(messages) -> prompt text` for a Hugging Face chat template, in Jinja's sandbox as transformers
-    renders it (the template comes from a build folder: it may not reach Python's internals); a template that
-    does not compile is a ValueError here, at start."""
+    """`render(messages, max_chars=None) -> prompt text` for a Hugging Face chat template, in Jinja's sandbox as
+    transformers renders it (the template comes from a build folder: it may not reach Python's internals); a
+    template that does not compile is a ValueError here, at start. A render is bounded: it stops (FrontError) once
+    its text passes `max_chars` (a prompt that long could not fit the context anyway), and its range() calls share
+    RANGE_BUDGET items, so that a short message list cannot make a template render megabytes, or loop for
+    minutes in nested ranges, in a worker thread nobody can stop."""
     from jinja2 import TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
         raise FrontError(f"the chat template refused the messages: {str(message)[:300]}")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    class Sandbox(ImmutableSandboxedEnvironment):
+        """Jinja's sandbox, with `*` and `**` bounded too ("x" * 10**9 is a gigabyte before any check sees it)."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context, operator, left, right):
+            n = right if isinstance(left, (str, list, tuple)) else left if isinstance(right, (str, list, tuple)) else 1
+            seq = left if n is right else right
+            if operator == "*" and isinstance(n, int) and n > 1 and len(seq) * n > RANGE_BUDGET:
+                raise FrontError(f"the chat template repeated a value into more than {RANGE_BUDGET:,} items")
+            if operator == "**" and isinstance(right, int) and abs(right) > 64:
+                raise FrontError("the chat template raised a number to a power over 64")
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True)
     env.globals["raise_exception"] = raise_exception
     try:
         compiled = env.from_string(template)
     except TemplateError as e:
         raise ValueError(f"the chat template does not compile: {e}") from None
 
-    def render(messages: list[dict]) -> str:
+    def render(messages: list[dict], max_chars: int | None = None) -> str:
+        left = [RANGE_BUDGET]
+
+        def bounded_range(*args):
+            r = env.globals["range"](*args)  # Jinja's own: refuses more than 100,000 items at once
+            left[0] -= len(r)
+            if left[0] < 0:
+                raise FrontError(f"the chat template looped over more than {RANGE_BUDGET:,} items in range()")
+            return r
+
+        out, size = [], 0
         try:
-            return compiled.render(messages=messages, add_generation_prompt=True, bos_token=EOT, eos_token=EOT)
+            for piece in compiled.generate(messages=messages, add_generation_prompt=True, bos_token=EOT,
+                                           eos_token=EOT, range=bounded_range):
+                out.append(piece)
+                size += len(piece)
+                if max_chars is not None and size > max_chars:
+                    raise FrontError(f"the chat template rendered these messages into more than {max_chars:,} "
+                                     "characters: more than the model's context can hold", code="context_length_exceeded")
         except TemplateError as e:
             raise FrontError(f"the chat template failed on these messages: {str(e)[:300]}") from None
+        except (OverflowError, MemoryError) as e:  # Jinja's own range bound, or what Python could not hold
+            raise FrontError(f"the chat template failed on these messages: {str(e)[:300] or type(e).__name__}") from None
+        return "".join(out)
 
     return render
 
@@ -267,7 +306,8 @@ async def prompt_ids(c: Completion, model: Model) -> list[int]:
     prompt = c.prompt
     if c.messages is not None:
         assert model.chat_template is not None  # parse_chat refused it otherwise
-        prompt = await anyio.to_thread.run_sync(_renderer(model.chat_template), c.messages)
+        render = _renderer(model.chat_template)
+        prompt = await anyio.to_thread.run_sync(render, c.messages, model.prompt_byte_bound)
     if isinstance(prompt, str):
         if model.tokenizer is None:
             raise FrontError("prompt: this build has no tokenizer (build --tokenizer); send a list of token ids")
@@ -294,10 +334,14 @@ async def prompt_ids(c: Completion, model: Model) -> list[int]:
 
 
 async def read_body(request, limits: Limits) -> dict:
-    """The body as a JSON object: at most max_body_bytes (refused by its Content-Length before it is read),
-    all of it within read_timeout_s, nested at most userfiles.MAX_JSON_DEPTH deep."""
+    """The body as a JSON object: at most max_body_bytes (refused by its Content-Length before it is read, and
+    counted as it comes when chunked), all of it within read_timeout_s, nested at most userfiles.MAX_JSON_DEPTH
+    deep, in no Content-Encoding."""
     import anyio
 
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding != "identity":  # nothing here inflates a body: a gzip bomb stays the bytes it was sent as
+        raise FrontError(f"Content-Encoding {encoding[:40]!r} is not accepted: send the JSON body as it is", 415)
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limits.max_body_bytes:
         raise FrontError(f"request body of {int(declared):,} bytes is over the {limits.max_body_bytes:,} allowed", 413)
