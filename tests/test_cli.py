@@ -13,6 +13,18 @@ def test_help_teaches():
         assert command in result.output
 
 
+def test_serve_help_curls_the_endpoints_a_default_serve_opens():
+    """Its example curled Triton's HTTP port (8000), which serve opens only with --port: the front's port and
+    /health, as served by default."""
+    from andrea_export.cli import serve
+
+    result = CliRunner().invoke(main, ["serve", "--help"])
+    assert result.exit_code == 0
+    curls = [line.split()[2] for line in result.output.splitlines() if line.strip().startswith("curl ")]
+    port = next(p.default for p in serve.params if p.name == "openai_port")
+    assert curls == [f"localhost:{port}/v1/completions", f"localhost:{port}/health"], curls
+
+
 def test_export_then_verify(tmp_path):
     runner = CliRunner()
     out = tmp_path / "m.onnx"

@@ -46,6 +46,7 @@ SAMPLING_UNSUPPORTED = ("logprobs", "logit_bias", "presence_penalty", "frequency
 UNSUPPORTED = ("echo", "best_of", "suffix", *SAMPLING_UNSUPPORTED)
 CHAT_UNSUPPORTED = ("top_logprobs", "tools", "tool_choice", "functions", "function_call", "response_format",
                     "parallel_tool_calls", *SAMPLING_UNSUPPORTED)
+INT32_MAX = 2**31 - 1  # the generate model's INT32 inputs (served.INPUTS)
 HEALTH_TIMEOUT_S = 2.0  # for Triton's answer to /health's readiness question
 ACCESS_LOG = "andrea_export.front.access"  # one line a request: client, method, path, status (never a prompt)
 
@@ -119,9 +120,9 @@ def _completion_request():
     class Sampled(BaseModel):
         model_config = ConfigDict(strict=True, extra="allow")
         model: str | None = None
-        temperature: Annotated[float, Field(ge=0)] = 1.0
+        temperature: Annotated[float, Field(ge=0, le=1e4)] = 1.0  # past it every token is as likely already
         top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-        top_k: Annotated[int, Field(ge=1)] | None = None  # vLLM's extension
+        top_k: Annotated[int, Field(ge=1, le=INT32_MAX)] | None = None  # vLLM's extension; the model's INT32 input
         seed: Annotated[int, Field(ge=0, le=MAX_SEED)] | None = None
         stop: str | list[str] | None = None
         stream: bool = False
@@ -377,8 +378,13 @@ async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id
     from grpc.aio import AioRpcError
     from tritonclient.utils import InferenceServerException
 
+    try:
+        inputs = _tensors(feed)  # here, not in the stream's request iterator, where gRPC turns an error into a cancel
+    except (OverflowError, ValueError) as e:
+        raise FrontError(f"a field does not fit the generate model's input types: {str(e)[:200]}") from None
+
     async def request():  # one request; the stream half-closes after it and ends with its last response
-        yield {"model_name": triton_model, "inputs": _tensors(feed)}
+        yield {"model_name": triton_model, "inputs": inputs}
 
     text, sent, keep = "", 0, max((len(s) for s in stops), default=1) - 1
     pending: list[int] = []  # ids not yet passed on
@@ -577,7 +583,9 @@ def make_app(model: Model, upstream: Upstream, *, api_key: str | None = None, li
         finally:
             await state["client"].close()
 
-    app = FastAPI(title="andrea-export", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json: what a client generator or a schema fuzzer (schemathesis, in the suite) reads; no /docs page
+    app = FastAPI(title="andrea-export", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json")
     app.state.metrics, app.state.front = metrics, state
     if access_log:
         app.add_middleware(_AccessLog)
@@ -630,16 +638,36 @@ def make_app(model: Model, upstream: Upstream, *, api_key: str | None = None, li
                              "model_not_found")
         return card
 
-    @app.post("/v1/completions", dependencies=[Depends(authorized)])
+    completion, chat = _completion_request()
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)], openapi_extra=_body_schema(completion, model.name))
     async def completions(request: Request):
         return await _answer(request, parse(await read_body(request, limits), model), model, upstream, limits, state)
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], openapi_extra=_body_schema(chat, model.name))
     async def chat_completions(request: Request):
         return await _answer(request, parse_chat(await read_body(request, limits), model), model, upstream,
                              limits, state)
 
     return app
+
+
+def _body_schema(kind, served: str) -> dict:
+    """The OpenAPI requestBody of a route that reads its body itself (read_body's limits come first): the pydantic
+    model's JSON schema, its $defs inlined (they would resolve against the OpenAPI document's root), its `model`
+    the one served here."""
+    schema = kind.model_json_schema()
+    defs = schema.pop("$defs", {})
+    schema["properties"]["model"] = {"anyOf": [{"const": served}, {"type": "null"}], "title": "Model"}
+
+    def inline(node):
+        if isinstance(node, dict):
+            ref = node.get("$ref", "")
+            return inline(defs[ref.rsplit("/", 1)[1]]) if ref.startswith("#/$defs/") else \
+                {k: inline(v) for k, v in node.items()}
+        return [inline(v) for v in node] if isinstance(node, list) else node
+
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": inline(schema)}}}}
 
 
 async def _answer(request, c: Completion, model: Model, upstream: Upstream, limits: Limits, state: dict):

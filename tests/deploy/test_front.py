@@ -128,6 +128,15 @@ def test_odd_messages_are_refused_naming_the_field(front, messages, fields, mess
     assert status == 400 and answer["error"]["message"].startswith(message), answer
 
 
+@pytest.mark.parametrize("field, value", [("top_k", 2**31), ("top_k", 386244569107484), ("max_tokens", 2**40)])
+def test_numbers_past_the_generate_models_input_types_are_refused(front, field, value):
+    """top_k past INT32 passed the checks and broke the gRPC stream's request (a cancel, 500, a traceback; found
+    by schemathesis): each number is bounded before Triton sees it."""
+    status, answer = _send(front.port, "POST", "/v1/completions",
+                           json.dumps({"prompt": [1, 2], "max_tokens": 2, field: value}).encode())
+    assert status == 400 and field in answer["error"]["message"], answer
+
+
 def test_odd_roles_and_text_parts_are_rendered_not_refused(front):
     """A role the template does not know is its business (the plain template prints the text), and content parts
     of type text are joined: such a chat passes the front's checks (and meets the missing upstream)."""
@@ -173,3 +182,15 @@ def test_the_renderer_bounds_each_render_not_the_template():
     """The range budget is a render's own: a template that ranges 60,000 renders twice in a row."""
     render = chat_renderer("{% for i in range(60000) %}{% endfor %}{{ messages[0].content }}")
     assert render([{"role": "user", "content": "a"}]) == render([{"role": "user", "content": "a"}]) == "a"
+
+
+def test_the_openapi_schema_describes_what_the_front_checks(front):
+    """/openapi.json (what a client generator or schemathesis reads) gives each POST route its request body, the
+    pydantic model the front checks it with, and the one model served here."""
+    status, doc = _send(front.port, "GET", "/openapi.json")
+    assert status == 200 and {"/v1/completions", "/v1/chat/completions", "/v1/models", "/health"} <= set(doc["paths"])
+    for path, required in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
+        schema = doc["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        assert required in schema["required"] and "$ref" not in json.dumps(schema)
+        assert schema["properties"]["model"]["anyOf"][0] == {"const": "andrea"}
+        assert schema["properties"]["top_k"]["anyOf"][0]["maximum"] == 2**31 - 1
