@@ -245,7 +245,7 @@ def chat_renderer(template: str):
     RANGE_BUDGET items, so that a short message list cannot make a template render megabytes, or loop for
     minutes in nested ranges, in a worker thread nobody can stop."""
     from jinja2 import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
     def raise_exception(message):
         raise FrontError(f"the chat template refused the messages: {str(message)[:300]}")
@@ -275,7 +275,7 @@ def chat_renderer(template: str):
         left = [RANGE_BUDGET]
 
         def bounded_range(*args):
-            r = env.globals["range"](*args)  # Jinja's own: refuses more than 100,000 items at once
+            r = safe_range(*args)  # Jinja's own: refuses more than 100,000 items at once
             left[0] -= len(r)
             if left[0] < 0:
                 raise FrontError(f"the chat template looped over more than {RANGE_BUDGET:,} items in range()")
@@ -289,7 +289,7 @@ def chat_renderer(template: str):
                 size += len(piece)
                 if max_chars is not None and size > max_chars:
                     raise FrontError(f"the chat template rendered these messages into more than {max_chars:,} "
-                                     "characters: more than the model's context can hold", code="context_length_exceeded")
+                                     "characters, which cannot fit the model's context", code="context_length_exceeded")
         except TemplateError as e:
             raise FrontError(f"the chat template failed on these messages: {str(e)[:300]}") from None
         except (OverflowError, MemoryError) as e:  # Jinja's own range bound, or what Python could not hold
