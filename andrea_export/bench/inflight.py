@@ -74,7 +74,7 @@ def record_batched(session: Session, requests: Sequence[Request], *, slots: int,
     with Batcher(session, slots=slots, prefill_chunk=prefill_chunk) as batcher:
         recording = Recording(batcher.cache)
         batcher.cache = recording  # before the first submit: the engine thread steps what it finds there
-        tickets = [batcher.submit(r, _record(out, errors)) for r, out in zip(requests, tokens)]
+        tickets = batcher.submit_all([(r, _record(out, errors)) for r, out in zip(requests, tokens)])
         _wait(tickets, timeout, errors)
     return tokens, recording.runs
 

@@ -40,7 +40,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -145,6 +145,12 @@ class Batcher:
             self._waiting.append(_Slot(ticket, row, emit))
             self._wake.notify()
         return ticket
+
+    def submit_all(self, requests: Sequence[tuple[Request, Callable[[Event], None]]]) -> list[Ticket]:
+        """submit() each (request, emit) as one: the engine thread admits none of them before the last is queued,
+        so a schedule (which slot each takes, who joins whom) does not hang on how this thread is scheduled."""
+        with self._wake:  # re-entrant: submit() takes it again
+            return [self.submit(request, emit) for request, emit in requests]
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stop accepting; with `drain`, finish every request in flight and waiting, else cancel them; then end

@@ -32,17 +32,21 @@ def session(request, lively_model, tmp_path_factory):
 
 class Collector:
     """A request's callback: its tokens and its final event, with a flag set when it ends (and one, `reached`,
-    when it has `signal_at` tokens)."""
+    when it has `signal_at` tokens; with `hold`, the batcher's thread, which runs the callback, waits there until
+    `release` is set, so that a test acts at that step however late its own thread is scheduled)."""
 
-    def __init__(self, signal_at: int | None = None):
+    def __init__(self, signal_at: int | None = None, hold: bool = False):
         self.tokens, self.final, self.done = [], None, threading.Event()
         self.signal_at, self.reached = signal_at, threading.Event()
+        self.hold, self.release = hold, threading.Event()
 
     def __call__(self, e: Event):
         if e.token is not None:
             self.tokens.append(e.token)
             if len(self.tokens) == self.signal_at:
                 self.reached.set()
+                if self.hold:
+                    self.release.wait(30)
         if e.final:
             self.final = e
             self.done.set()
@@ -272,16 +276,33 @@ def test_the_slot_cache_commits_its_memory_when_made(session):
         assert resident == len(vec), f"{resident} of {len(vec)} pages resident"
 
 
+def test_requests_submitted_together_are_admitted_together_however_slow_the_submitter(session, monkeypatch):
+    """submit_all: each request is checked (slowly here, as on a busy machine) before any is admitted, so all three
+    take their slots at the first step; one at a time, the engine took each as it came (the slot-mixed-steps
+    check once saw its schedule, and so the runs it counts, change so)."""
+    import time
+
+    check = session.check
+    monkeypatch.setattr(session, "check", lambda r: time.sleep(0.05) or check(r))
+    admitted_at: list[int] = []
+    with Batcher(session, slots=3, on_admit=lambda _: admitted_at.append(b.steps)) as b:
+        collectors = [Collector() for _ in range(3)]
+        b.submit_all([(Request([1 + i, 2], 8), c) for i, c in enumerate(collectors)])
+        assert all(c.done.wait(30) for c in collectors)
+    assert admitted_at == [0, 0, 0]
+
+
 def test_a_cancelled_request_leaves_its_slot_at_the_next_step(session):
     """Cancelled mid-decode, a request's slot is free when its final event comes (the batcher's own state says
     so), and every step after it decodes the other request alone: it does not ride along, silently, to its
     max_new_tokens."""
-    a, other = Collector(signal_at=3), Collector()
+    a, other = Collector(signal_at=3, hold=True), Collector()
     with Batcher(session, slots=2) as b:
         ta = b.submit(Request([1, 2, 3], 100), a)
         b.submit(Request([4, 5], 60), other)
         assert a.reached.wait(30)
-        ta.cancel()
+        ta.cancel()  # while the batcher waits in a's callback: `other` cannot have ended (on a busy machine it had)
+        a.release.set()
         assert a.done.wait(30) and a.final.reason == "cancelled"
         assert b.slots[0] is None  # the first request took the lowest slot
         since = len(b.step_rows)
