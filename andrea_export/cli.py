@@ -682,7 +682,7 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
         signal.signal(sig, lambda *_: stopped.set())
     while not stopped.wait(0.2):
         if (died := server.wait(0)) is not None:  # what is left of it is gone already
-            tail = _log_lines(server.log_tail(200))
+            tail = _last_log_line(server.log_tail(200))
             server.stop()  # the front (its streams ended with an error event), the workspace
             raise AndreaExportError(f"{died}: serve stops" + (f" (the server's log ended: {tail})" if tail else ""))
     console.print("Stopping: finishing the requests in flight", markup=False)
@@ -691,14 +691,13 @@ def serve(build_dir, host, triton_host, http_port, grpc_port, metrics_port, open
         warn(f"tritonserver exited with code {code}; its log ended:\n" + "\n".join(server.log_tail().splitlines()[-4:]))
 
 
-def _log_lines(log: str, n: int = 1) -> str:
-    """The last `n` lines of Triton's log that say something (not its start-up tables, nor a backtrace's frames),
-    joined on one line."""
+def _last_log_line(log: str) -> str:
+    """The last line of Triton's log that says something (not its start-up tables, nor a backtrace's frames)."""
     import re
 
     said = [line.strip() for line in log.splitlines()
             if line.strip() and not line.startswith(("+", "|")) and not re.match(r"\s*\d+# ", line)]
-    return " / ".join(said[-n:])
+    return said[-1] if said else ""
 
 
 def _loopback(host: str) -> bool:

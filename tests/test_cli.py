@@ -14,8 +14,8 @@ def test_help_teaches():
 
 
 def test_serve_help_curls_the_endpoints_a_default_serve_opens():
-    """Its example curled Triton's HTTP port (8000), which serve opens only with --port: the front's port and
-    /health, as served by default."""
+    """The examples a user pastes reach a default serve: the front's port and /health (Triton's HTTP port opens
+    only with --port)."""
     from andrea_export.cli import serve
 
     result = CliRunner().invoke(main, ["serve", "--help"])

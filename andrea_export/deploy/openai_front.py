@@ -96,6 +96,11 @@ class FrontError(Exception):
         self.status, self.code = status, code
 
 
+def _unavailable(why: str) -> FrontError:
+    """What a request gets once part of the server has died (Front.fail): `why` names it."""
+    return FrontError(f"the server cannot serve: {why}", 503)
+
+
 def _error(message: str, kind: str = "invalid_request_error", code: str | None = None) -> dict:
     return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
@@ -256,9 +261,9 @@ def chat_renderer(template: str):
         intercepted_binops = frozenset({"*", "**"})
 
         def call_binop(self, context, operator, left, right):
-            n = right if isinstance(left, (str, list, tuple)) else left if isinstance(right, (str, list, tuple)) else 1
-            seq = left if n is right else right
-            if operator == "*" and isinstance(n, int) and n > 1 and len(seq) * n > RANGE_BUDGET:
+            seq, n = (left, right) if isinstance(left, (str, list, tuple)) else (right, left)
+            if operator == "*" and isinstance(seq, (str, list, tuple)) and isinstance(n, int) \
+                    and len(seq) * n > RANGE_BUDGET:
                 raise FrontError(f"the chat template repeated a value into more than {RANGE_BUDGET:,} items")
             if operator == "**" and isinstance(right, int) and abs(right) > 64:
                 raise FrontError("the chat template raised a number to a power over 64")
@@ -394,7 +399,7 @@ async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id
         async for result, error in stream:
             if error is not None:
                 if (why := dead()) is not None:
-                    raise FrontError(f"the server cannot serve: {why}", 503)
+                    raise _unavailable(why)
                 message = error.message()
                 raise FrontError(message, 502 if message.startswith(REQUEST_FAILED) else 400)
             out = result.as_numpy("output_ids")
@@ -412,7 +417,7 @@ async def pieces(client, triton_model: str, feed: dict, stops: list[str], eos_id
                 sent, pending = safe, []
     except (AioRpcError, InferenceServerException) as e:
         if (why := dead()) is not None:
-            raise FrontError(f"the server cannot serve: {why}", 503) from None
+            raise _unavailable(why) from None
         raise FrontError(f"the Triton server did not answer: {_rpc_message(e)}", 502) from None
     finally:
         stream.cancel()  # ended already, or left early: then Triton cancels the request
@@ -678,7 +683,7 @@ async def _answer(request, c: Completion, model: Model, upstream: Upstream, limi
     metrics = state["metrics"]
     t0 = time.monotonic()
     if state["dead"] is not None:
-        raise FrontError(f"the server cannot serve: {state['dead']}", 503)
+        raise _unavailable(state["dead"])
     if state["in_flight"] >= limits.max_requests:  # before the prompt is rendered or tokenized
         raise FrontError(f"the server is busy: {limits.max_requests} completions in flight; retry later", 503)
     state["in_flight"] += 1  # taken before the first await, so that requests arriving meanwhile count it

@@ -130,8 +130,8 @@ def test_odd_messages_are_refused_naming_the_field(front, messages, fields, mess
 
 @pytest.mark.parametrize("field, value", [("top_k", 2**31), ("top_k", 386244569107484), ("max_tokens", 2**40)])
 def test_numbers_past_the_generate_models_input_types_are_refused(front, field, value):
-    """top_k past INT32 passed the checks and broke the gRPC stream's request (a cancel, 500, a traceback; found
-    by schemathesis): each number is bounded before Triton sees it."""
+    """Each number is bounded by the type of the generate model's input before Triton sees it: past INT32 the
+    tensor cannot be built, and inside gRPC's request iterator that error becomes a cancel (a 500)."""
     status, answer = _send(front.port, "POST", "/v1/completions",
                            json.dumps({"prompt": [1, 2], "max_tokens": 2, field: value}).encode())
     assert status == 400 and field in answer["error"]["message"], answer

@@ -364,8 +364,9 @@ def test_generate_runs_on_the_int4_decoder(quantized_build, lively_prompt):
 
 
 def test_a_gguf_of_a_weight_only_build_is_at_its_precision_unless_told(quantized_build, tmp_path):
-    """`package --gguf` on an int4 build wrote f16 (four times the bytes an int4 user expects): q4_0 now (GPTQ-
-    solved, as the build's int4 is), q8_0 for int8; --gguf-type still chooses."""
+    """`package --gguf` on a weight-only build writes its precision's type (an int4 user expects int4's bytes,
+    not f16's four times as many): q4_0 (GPTQ-solved, as the build's int4 is), q8_0 for int8; --gguf-type still
+    chooses."""
     gguf = pytest.importorskip("gguf", reason="the 'gguf' extra (ggml's gguf package) writes and reads the file")
     precision, out, _ = quantized_build
     result = CliRunner().invoke(main, ["package", str(out), "--gguf", str(tmp_path / "m.gguf")])

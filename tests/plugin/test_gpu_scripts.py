@@ -501,7 +501,7 @@ def test_the_slot_mixed_steps_section_passes_the_stand_in_engine_and_fails_one_w
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run benchmarks/gpu_checks.py itself")
 def test_gpu_checks_with_numpy_alone_skips_what_needs_pytorch(tmp_path):
     """A host with numpy but no PyTorch (nor onnx): each section that needs PyTorch is a SKIP row saying so, none a
-    FAIL with a traceback ("PyTorch eager" imported the model, and with it torch, before it asked for PyTorch)."""
+    FAIL with a traceback (the model's module imports torch: a section asks for PyTorch before it)."""
     blocked = [*_bare_host_modules(), "torch", "onnx", "onnxruntime"]
     jsonl = tmp_path / "rows.jsonl"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

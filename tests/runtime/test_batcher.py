@@ -278,8 +278,8 @@ def test_the_slot_cache_commits_its_memory_when_made(session):
 
 def test_requests_submitted_together_are_admitted_together_however_slow_the_submitter(session, monkeypatch):
     """submit_all: each request is checked (slowly here, as on a busy machine) before any is admitted, so all three
-    take their slots at the first step; one at a time, the engine took each as it came (the slot-mixed-steps
-    check once saw its schedule, and so the runs it counts, change so)."""
+    take their slots at the first step; a schedule built on them (gpu_checks' slot mixed steps) does not hang on
+    how the submitting thread is scheduled."""
     import time
 
     check = session.check
@@ -301,7 +301,7 @@ def test_a_cancelled_request_leaves_its_slot_at_the_next_step(session):
         ta = b.submit(Request([1, 2, 3], 100), a)
         b.submit(Request([4, 5], 60), other)
         assert a.reached.wait(30)
-        ta.cancel()  # while the batcher waits in a's callback: `other` cannot have ended (on a busy machine it had)
+        ta.cancel()  # while the batcher waits in a's callback: `other` cannot have ended, however busy the machine
         a.release.set()
         assert a.done.wait(30) and a.final.reason == "cancelled"
         assert b.slots[0] is None  # the first request took the lowest slot
